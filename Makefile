@@ -1,0 +1,29 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Both install first.
+PYTHON ?= python3
+# Used only when no torch is importable: a machine with torch (a CUDA build, say) keeps it.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := .install.stamp
+
+.PHONY: install test test-slow demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q "setuptools>=64" wheel
+	# No build isolation: deepspeed's setup imports torch, and an isolated build would fetch
+	# a second (CUDA) torch. DS_BUILD_OPS=0 defers its kernels to JIT on first use.
+	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
+	@touch $(STAMP)
+
+test: install
+	$(PYTHON) -m pytest -q
+
+test-slow: install
+	$(PYTHON) -m pytest -q -m slow
+
+demo: install
+	bash scripts/demo.sh
+
+clean:
+	rm -rf runs $(STAMP) *.egg-info

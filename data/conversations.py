@@ -1,0 +1,167 @@
+"""Prompt and conversation files in the shapes people have, as OpenAI-style messages.
+
+Accepted records (one per JSON Lines line, or a JSON array of them):
+
+    {"turns": ["user text", "next user text"]}                     Spec-Bench, EAGLE, MT-Bench
+    {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}]}      ShareGPT
+    {"messages": [{"role": "system"|"user"|"assistant", "content": ...}]}    OpenAI
+    {"prompt": "user text"}
+
+Every record becomes `[{"role": ..., "content": ...}, ...]`. `turns` hold only the user
+side: the assistant replies are what the target generates when the conversation is run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+Conversation = list[dict[str, str]]
+
+SHAPES = ("turns", "conversations", "messages", "prompt")
+# Role names as written in the file -> OpenAI roles.
+_SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+}
+_OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
+
+
+def load_conversations(path: str | Path, limit: int | None = None) -> list[Conversation]:
+    """The first `limit` records of `path` (all when None) as lists of messages."""
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"{path}: conversation file not found")
+    if limit is not None and limit < 1:
+        raise DraftsmithError(f"{path}: limit must be at least 1, got {limit}")
+    records = _read_with_datasets(path)
+    if records is None:
+        records = _read_plain(path)
+    if limit is not None:
+        records = records[:limit]
+    if not records:
+        raise DraftsmithError(f"{path}: no records")
+    return [_to_messages(record, path, index) for index, record in enumerate(records)]
+
+
+def first_user_prompts(conversations: list[Conversation]) -> list[str]:
+    """The opening user message of each conversation: the prompt of a single-turn run."""
+    prompts = []
+    for index, messages in enumerate(conversations):
+        text = next((m["content"] for m in messages if m["role"] == "user"), None)
+        if text is None:
+            raise DraftsmithError(f"conversation {index} has no user message")
+        prompts.append(text)
+    return prompts
+
+
+def _read_with_datasets(path: Path) -> list[dict] | None:
+    """Records through the `datasets` json loader and its cache; None when it cannot
+    read the file, so that the plain reader can report what is wrong in one line."""
+    import datasets
+
+    with _quiet(datasets):
+        try:
+            table = datasets.load_dataset("json", data_files=str(path), split="train")
+        # datasets surfaces arrow, pandas and generator errors (even StopIteration on an
+        # empty file) for input it cannot put in one table; the plain reader decides
+        # what they mean.
+        except Exception:
+            return None
+    if _has_json_feature(table.features):
+        return None
+    return table.to_list()
+
+
+def _has_json_feature(feature) -> bool:
+    """Whether datasets stored a mixed-type field as `Json`, whose decoding turns text
+    that parses as JSON into other values (message content "4" comes back as the int 4)."""
+    if isinstance(feature, dict):
+        return any(_has_json_feature(inner) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    if inner is not None:
+        return _has_json_feature(inner)
+    return type(feature).__name__ == "Json"  # by name: older datasets have no Json type
+
+
+@contextlib.contextmanager
+def _quiet(datasets):
+    """No progress bars or info logs for a file of prompts; the caller's settings after."""
+    bars_were_off = datasets.are_progress_bars_disabled()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            datasets.enable_progress_bars()
+
+
+def _read_plain(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DraftsmithError(f"{path}: invalid JSON: {exc}") from None
+    else:
+        records = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DraftsmithError(f"{path}:{number}: invalid JSON: {exc.msg}") from None
+    if not all(isinstance(record, dict) for record in records):
+        raise DraftsmithError(f"{path}: expected JSON objects, one per record")
+    return records
+
+
+def _to_messages(record: dict, path: Path, index: int) -> Conversation:
+    where = f"{path}: record {index}"
+    # A table loaded by `datasets` has every column in every row, None where absent.
+    shape = next((key for key in SHAPES if record.get(key) is not None), None)
+    if shape is None:
+        seen = ", ".join(sorted(k for k, v in record.items() if v is not None)) or "none"
+        raise DraftsmithError(f"{where}: unknown shape, keys {seen}; expected one of {', '.join(SHAPES)}")
+    value = record[shape]
+    if shape == "prompt":
+        messages = [{"role": "user", "content": _text(value, where)}]
+    elif shape == "turns":
+        if not isinstance(value, list):
+            raise DraftsmithError(f"{where}: turns must be a list of user messages")
+        messages = [{"role": "user", "content": _text(turn, where)} for turn in value]
+    elif shape == "conversations":
+        messages = [_message(m, "from", "value", _SHAREGPT_ROLES, where) for m in _list(value, where)]
+    else:
+        messages = [_message(m, "role", "content", _OPENAI_ROLES, where) for m in _list(value, where)]
+    if not messages:
+        raise DraftsmithError(f"{where}: {shape} is empty")
+    return messages
+
+
+def _list(value, where: str) -> list:
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise DraftsmithError(f"{where}: expected a list of message objects")
+    return value
+
+
+def _message(message: dict, role_key: str, text_key: str, roles: dict, where: str) -> dict:
+    role = message.get(role_key)
+    if role not in roles:
+        raise DraftsmithError(f"{where}: unknown role {role!r}; expected one of {', '.join(roles)}")
+    return {"role": roles[role], "content": _text(message.get(text_key), where)}
+
+
+def _text(value, where: str) -> str:
+    # OpenAI content may be a list of parts; the text parts are the message.
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        return "".join(part.get("text") or "" for part in value)
+    if not isinstance(value, str):
+        raise DraftsmithError(f"{where}: message content must be text, got {type(value).__name__}")
+    return value

@@ -1,0 +1,169 @@
+"""Plain-text corpora: the embedded stdlib corpus and local or hub text datasets.
+
+The embedded corpus is read at run time from the running Python's standard library (its
+hand-written `.py` sources and the `pydoc_data.topics` help texts), so nothing of it is
+copied into this repository and no download is needed. It is split by module, by a hash of
+the module's name, so the parts are disjoint, and identical on every machine with the same
+Python version: held-out modules are never seen in training, not even in part.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import re
+import sysconfig
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+SPLITS = ("train", "validation", "test")
+_SPLIT_PERCENT = {"train": range(0, 90), "validation": range(90, 95), "test": range(95, 100)}
+
+# Folders whose sources are test suites or third-party code, not the standard library.
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+# Machine-written files (codec tables, token lists, the Sphinx topic dump): text that
+# teaches a code model nothing. Sought in the first 1000 characters only.
+_GENERATED = re.compile(r"(?i)auto-?generated|automatically generated|do not edit|gencodec\.py")
+_MAX_FILE_BYTES = 200_000  # larger files are pure-Python twins of C modules or data tables
+
+
+def _bucket(name: str) -> int:
+    """A percentile in [0, 100) from the module name; stable across runs and machines."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % 100
+
+
+def _is_source(rel: Path, path: Path) -> bool:
+    if any(part in _SKIP_DIRS or part.startswith("config-") for part in rel.parts[:-1]):
+        return False
+    if rel.name.startswith("_sysconfigdata") or path.stat().st_size > _MAX_FILE_BYTES:
+        return False
+    return not _GENERATED.search(path.read_bytes()[:1000].decode("utf-8", "replace"))
+
+
+@functools.lru_cache(maxsize=1)
+def _documents() -> tuple[tuple[str, str], ...]:
+    """(name, text) for every document of the embedded corpus, sorted by name."""
+    import pydoc_data.topics
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if not _is_source(rel, path):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a handful of legacy files; not worth guessing encodings
+            continue
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        docs[name] = text
+    for topic, text in pydoc_data.topics.topics.items():
+        docs[f"pydoc_data.topics:{topic}"] = text
+    return tuple(sorted((name, text) for name, text in docs.items() if text.strip()))
+
+
+def embedded_split(split: str) -> list[tuple[str, str]]:
+    """(module name, text) of one part, ordered by hash so that any prefix is a fair sample."""
+    if split not in _SPLIT_PERCENT:
+        raise DraftsmithError(f"embedded corpus: unknown split {split!r} (expected one of {', '.join(SPLITS)})")
+    part = _SPLIT_PERCENT[split]
+    docs = [(name, text) for name, text in _documents() if _bucket(name) in part]
+    return sorted(docs, key=lambda doc: (hashlib.sha256(doc[0].encode()).digest(), doc[0]))
+
+
+def _cut_at_line(text: str, max_chars: int) -> str:
+    """The longest prefix of whole lines within `max_chars` (a hard cut if the first line is longer)."""
+    if len(text) <= max_chars:
+        return text
+    end = text.rfind("\n", 0, max_chars) + 1
+    return text[: end or max_chars]
+
+
+def load_embedded_corpus(split: str, max_chars: int | None = None) -> list[str]:
+    """The texts of one part of the embedded corpus, at most `max_chars` characters in all."""
+    texts, used = [], 0
+    for _, text in embedded_split(split):
+        if max_chars and used + len(text) > max_chars:  # the corpus ends inside this document
+            texts.append(_cut_at_line(text, max_chars - used))
+            break
+        texts.append(text)
+        used += len(text)
+    return [text for text in texts if text]
+
+
+def _line_windows(text: str, max_chars: int) -> list[str]:
+    windows = []
+    while text:
+        window = _cut_at_line(text, max_chars)
+        windows.append(window)
+        text = text[len(window):]
+    return [w for w in windows if w.strip()]
+
+
+def corpus_prompts(count: int, max_chars: int = 512, split: str = "test") -> list[str]:
+    """`count` prompts of up to `max_chars` characters cut at line boundaries.
+
+    The first prompt of each module is its beginning; prompts are taken round-robin over
+    the modules of the split, so a few dozen prompts come from a few dozen modules.
+    """
+    if count < 1 or max_chars < 1:
+        raise DraftsmithError(f"corpus prompts: count ({count}) and max_chars ({max_chars}) must be positive")
+    per_module = [_line_windows(text, max_chars) for _, text in embedded_split(split)]
+    windows = [w for group in itertools.zip_longest(*per_module) for w in group if w]
+    if len(windows) < count:
+        raise DraftsmithError(f"embedded corpus: the {split} split holds {len(windows)} prompts of "
+                              f"{max_chars} characters, fewer than the {count} asked for")
+    return windows[:count]
+
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
+             ".md": "text", ".csv": "csv"}
+
+
+def load_dataset_spec(spec: str, split: str = "train"):
+    """A `datasets.Dataset` from a local file (json, jsonl, parquet, csv, text) or a hub name.
+
+    Local files have one split, "train"; slices such as "train[:95%]" carve others from it.
+    Loading goes through the `datasets` cache, so a second run reuses the Arrow files.
+    """
+    import datasets
+
+    path = Path(spec).expanduser()
+    looks_local = path.suffix.lower() in _BUILDERS or spec.startswith((".", "/", "~"))
+    if looks_local and not path.exists():
+        raise DraftsmithError(f"dataset {spec}: no such file")
+    try:
+        if path.is_file():
+            if path.suffix.lower() not in _BUILDERS:
+                raise DraftsmithError(f"dataset {spec}: unknown file type {path.suffix!r} "
+                                      f"(expected one of {', '.join(sorted(_BUILDERS))})")
+            dataset = datasets.load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split=split)
+        else:  # a folder of data files, or a hub name when online
+            dataset = datasets.load_dataset(str(path) if path.exists() else spec, split=split)
+    except DraftsmithError:
+        raise
+    except Exception as exc:  # datasets raises many types (hub, schema, Arrow); report the first line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DraftsmithError(f"dataset {spec} (split {split!r}): {first}") from None
+    if len(dataset) == 0:
+        raise DraftsmithError(f"dataset {spec} (split {split!r}) is empty")
+    return dataset
+
+
+def load_text_dataset(spec: str, split: str = "train", text_field: str | None = None) -> list[str]:
+    """The texts of a plain-text corpus: the `text_field` column, else "text", else its only string column."""
+    dataset = load_dataset_spec(spec, split)
+    columns = dataset.column_names
+    if not text_field:
+        strings = [name for name, feature in dataset.features.items()
+                   if getattr(feature, "dtype", None) in ("string", "large_string")]
+        text_field = "text" if "text" in columns else (strings[0] if len(strings) == 1 else None)
+    if text_field not in columns:
+        wanted = f"text column {text_field!r}" if text_field else "text column"
+        raise DraftsmithError(f"dataset {spec}: no {wanted} (columns: {', '.join(columns)}); set data.text_field")
+    texts = [text for text in dataset[text_field] if isinstance(text, str) and text.strip()]
+    if not texts:
+        raise DraftsmithError(f"dataset {spec}: column {text_field!r} holds no text")
+    return texts

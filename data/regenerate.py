@@ -1,0 +1,184 @@
+"""Answer the prompts of a dataset with the target itself.
+
+A drafter is scored on how often it guesses what the *target* says, so it should learn
+from the target's replies, not from whoever wrote the dataset: this is the single most
+important data step for acceptance. Every assistant turn is replaced, turn by turn: each
+user turn is followed by the target's reply to the conversation so far.
+
+Records are appended to a hidden partial file as each batch finishes; a rerun with the
+same inputs and settings skips what is done, and the file is renamed to `out_path` only
+when complete. The partial's name carries a hash of the inputs and settings, so a rerun
+with different ones starts afresh instead of mixing two runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.data.chat import end_of_turn_ids, render_text, resolve_template
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import ensure_writable_dir
+
+
+def embedded_conversations(count: int, max_chars: int = 512, split: str = "train") -> list[list[dict]]:
+    """Single-turn conversations whose prompts are line-aligned excerpts of the embedded corpus."""
+    from draftsmith.data.corpus import corpus_prompts
+
+    return [[{"role": "user", "content": prompt}] for prompt in corpus_prompts(count, max_chars, split)]
+
+
+def _user_turns(messages: list[dict], index: int) -> list[list[dict]]:
+    """The conversation without its assistant turns, cut after each user turn."""
+    turns, pending = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            continue
+        pending.append(message)
+        if message["role"] == "user":
+            turns.append(pending)
+            pending = []
+    if not turns:
+        raise DraftsmithError(f"conversation {index} has no user turn to answer")
+    return turns
+
+
+def stop_token_ids(target, tokenizer, chat_template: str | None = None, plain: bool = False) -> list[int]:
+    """Where a reply ends: the target's and tokenizer's end-of-text ids and the template's end of turn."""
+    ids = target.generation_config.eos_token_id
+    ids = set([ids] if isinstance(ids, int) else ids or [])
+    ids |= {tokenizer.eos_token_id} - {None}
+    if not plain:
+        ids |= set(end_of_turn_ids(tokenizer, chat_template))
+    return sorted(ids)
+
+
+@torch.inference_mode()
+def _generate(target, tokenizer, prompts: list[str], plain: bool, stop_ids: list[int], pad_id: int,
+              max_new_tokens: int, temperature: float) -> list[str]:
+    # Left padding keeps every prompt's last token at the end, where generation continues.
+    batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
+                      add_special_tokens=plain).to(target.device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        else {"do_sample": False}
+    out = target.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
+                          **sampling)
+    replies = []
+    for row in out[:, batch["input_ids"].shape[1]:].tolist():
+        end = next((k for k, token in enumerate(row) if token in stop_ids), len(row))
+        replies.append(tokenizer.decode(row[:end], skip_special_tokens=True))
+    return replies
+
+
+def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, template: str | None,
+            stop_ids: list[int], pad_id: int, max_new_tokens: int, temperature: float) -> list[list[dict]]:
+    """The conversations of one batch with every assistant turn written by the target."""
+    turns = [_user_turns(messages, first_index + k) for k, messages in enumerate(batch)]
+    histories: list[list[dict]] = [[] for _ in batch]
+    for t in range(max(len(conv) for conv in turns)):
+        active = [k for k, conv in enumerate(turns) if t < len(conv)]
+        for k in active:
+            histories[k] += turns[k][t]
+        prompts = [render_text(tokenizer, histories[k], template, add_generation_prompt=template is not None)
+                   for k in active]
+        replies = _generate(target, tokenizer, prompts, template is None, stop_ids, pad_id,
+                            max_new_tokens, temperature)
+        for k, reply in zip(active, replies):
+            histories[k].append({"role": "assistant", "content": reply})
+    return histories
+
+
+def _resume_point(partial: Path, batch_size: int, total: int) -> int:
+    """Records already in the partial file; the file is cut back to whole records of whole batches."""
+    if not partial.exists():
+        return 0
+    lines = partial.read_bytes().splitlines(keepends=True)
+    good = 0
+    for line in lines:
+        if not line.endswith(b"\n") or not _is_json(line):  # the line an interruption cut short
+            break
+        good += 1
+    # Whole batches only: a batch is generated (and, when sampling, seeded) as a unit.
+    done = good if good >= total else good - good % batch_size
+    with partial.open("r+b") as handle:
+        handle.truncate(sum(len(line) for line in lines[:done]))
+    return done
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path,
+               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
+               chat_template: str | None = None, plain: bool = False) -> Path:
+    """Write `conversations` to `out_path` (JSON Lines of `{"messages": [...]}`) with target replies.
+
+    `temperature` 0 decodes greedily; above 0 it samples from the target's distribution at
+    that temperature (no top-k or top-p), seeded per batch from `seed`. `plain=True`
+    prompts with the concatenated contents instead of the chat template (see data/chat.py).
+    """
+    out_path = Path(out_path)
+    if not conversations:
+        raise DraftsmithError("regenerate: no conversations given")
+    if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
+        raise DraftsmithError(f"regenerate: batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) "
+                              f"must be positive and temperature ({temperature}) not negative")
+    template = None if plain else resolve_template(tokenizer, chat_template)
+    stop_ids = stop_token_ids(target, tokenizer, chat_template, plain)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    settings = json.dumps([getattr(target, "name_or_path", ""), type(target).__name__, conversations,
+                           max_new_tokens, temperature, seed, batch_size, template], sort_keys=True)
+    key = hashlib.sha256(settings.encode()).hexdigest()[:12]
+    partial = ensure_writable_dir(out_path.parent) / f".{out_path.name}.{key}.partial"
+
+    done = _resume_point(partial, batch_size, len(conversations))
+    with partial.open("a", encoding="utf-8") as handle, \
+            tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conv") as bar:
+        for start in range(done, len(conversations), batch_size):
+            batch = conversations[start:start + batch_size]
+            with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
+                torch.manual_seed(seed + start)
+                answered = _answer(target, tokenizer, batch, start, template, stop_ids, pad_id,
+                                   max_new_tokens, temperature)
+            handle.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in answered))
+            handle.flush()
+            os.fsync(handle.fileno())
+            bar.update(len(batch))
+    os.replace(partial, out_path)
+    return out_path
+
+
+def regenerate_command(target: str, dataset: str | None, out: str, max_new_tokens: int = 256,
+                       temperature: float = 0.0, batch_size: int = 8, limit: int | None = None,
+                       seed: int = 0) -> Path:
+    """`draftsmith data regenerate`: a target folder (with its tokenizer) answers a conversation file.
+
+    With no dataset, the prompts are `limit` (default 256) excerpts of the embedded corpus
+    and the target continues them as plain text, as it was pretrained.
+    """
+    from transformers import AutoTokenizer
+
+    from draftsmith.data.conversations import load_conversations
+    from draftsmith.models.target import load_target
+
+    model = load_target(target, device="cuda" if torch.cuda.is_available() else None)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(target))
+    except (OSError, ValueError) as exc:
+        raise DraftsmithError(f"cannot load the tokenizer of target {target}: {str(exc).splitlines()[0]}") from None
+    if dataset:
+        conversations = load_conversations(dataset, limit)
+    else:
+        conversations = embedded_conversations(limit or 256)
+    return regenerate(model, tokenizer, conversations, out, max_new_tokens=max_new_tokens,
+                      temperature=temperature, seed=seed, batch_size=batch_size, plain=not dataset)

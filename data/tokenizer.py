@@ -1,0 +1,75 @@
+"""The tokenizer of the embedded default: a byte-level BPE trained on the corpus's train part.
+
+Byte-level, so any text (code, unicode) round-trips exactly with no unknown token. It
+reserves the special tokens the drafters and chat data need, and carries a ChatML template
+whose assistant replies sit inside `{% generation %}` blocks, so transformers can return
+the loss mask of a conversation (`return_assistant_tokens_mask=True`). The end-of-turn
+`<|im_end|>` is inside the block: a drafter must learn to predict where a reply stops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import atomic_dir
+
+EOS, IM_START, IM_END, PAD, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|mask|>"
+SPECIAL_TOKENS = (EOS, IM_START, IM_END, PAD, MASK)  # ids 0..4, in this order
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path | None = None):
+    """Train a byte-level BPE on `texts`; deterministic for the same texts and size.
+
+    Returns a `PreTrainedTokenizerFast`; with `out_dir`, it is also saved there (atomically)
+    so that `AutoTokenizer.from_pretrained(out_dir)` loads it back.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    floor = len(SPECIAL_TOKENS) + 256  # the specials and every byte
+    if vocab_size < floor:
+        raise DraftsmithError(f"tokenizer: vocab_size {vocab_size} is below {floor} (special tokens plus 256 bytes)")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    # Untrimmed offsets: the loss mask maps template character spans onto tokens.
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer=trainer)
+    if bpe.get_vocab_size() < vocab_size:
+        raise DraftsmithError(f"tokenizer: the training text yields {bpe.get_vocab_size()} tokens, "
+                              f"fewer than vocab_size {vocab_size}; give it more text")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=EOS,
+        pad_token=PAD,
+        mask_token=MASK,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=CHATML_TEMPLATE,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,  # it would eat spaces in code on decode
+    )
+    if out_dir is not None:
+        with atomic_dir(out_dir) as tmp:
+            tokenizer.save_pretrained(tmp)
+    return tokenizer

@@ -1,0 +1,279 @@
+"""Recipes: typed dataclass sections, YAML that sets only what differs, `key.sub=value`
+overrides that win, and errors that name the key's full path in one line.
+
+The `method` section is open-ended by design: `method.name` picks a drafter, and every
+other key in the section must be a field of that drafter's config dataclass (its
+hyperparameters live beside its module in `models/`, one source of truth).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from draftsmith.errors import DraftsmithError
+
+# method name -> (module, config class). Imported lazily so that parsing a recipe never
+# pulls in a drafter it does not use.
+METHODS: dict[str, tuple[str, str]] = {
+    "mtp": ("draftsmith.models.mtp", "MTPConfig"),
+    "draft_lm": ("draftsmith.models.draft_lm", "DraftLMConfig"),
+    "eagle3": ("draftsmith.models.eagle3", "Eagle3Config"),
+    "dflash": ("draftsmith.models.dflash", "DFlashConfig"),
+    "dspark": ("draftsmith.models.dspark", "DSparkConfig"),
+}
+
+
+@dataclass
+class TargetSection:
+    # A folder or hub name of a frozen target. Empty: the tiny target, built from the
+    # fields below (the mtp recipe pretrains it; others need a path).
+    path: str = ""
+    arch: str = "llama"
+    num_layers: int = 8
+    hidden_size: int = 256
+    num_heads: int = 8
+    num_kv_heads: int = 1
+    intermediate_size: int = 0  # 0: derived from hidden_size
+    max_position_embeddings: int = 2048
+    dtype: str = "auto"  # dtype the frozen target is loaded in: auto, float32, bfloat16
+    attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
+    tile: int = 128  # verify kernel tile rows; sizes D and DFlash's block (DESIGN.md section 3)
+
+
+@dataclass
+class DataSection:
+    dataset: str = "embedded"  # "embedded" (the stdlib corpus), a local json/jsonl/parquet/txt file, or a hub name
+    text_field: str = ""  # column of a plain-text corpus; empty: guessed
+    tokenizer: str = ""  # empty: the target's own, or one trained on the embedded corpus
+    vocab_size: int = 2048  # vocabulary of the tokenizer trained for the embedded default
+    max_chars: int = 0  # cap on the corpus characters read (0: all)
+    num_conversations: int = 256  # post-hoc methods on the embedded default: prompts to regenerate
+    regenerate: bool = True  # post-hoc methods: answer the prompts with the target itself
+    regen_max_new_tokens: int = 96
+    regen_temperature: float = 0.0
+
+
+@dataclass
+class TrainSection:
+    output_dir: str = "runs/default"
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    adam_beta2: float = 0.95
+    batch_size: int = 8  # sequences per device per micro-step
+    grad_accum: int = 1
+    seq_len: int = 256
+    clip: float = 1.0
+    seed: int = 0
+    resume: bool = False
+    mixed_precision: str = "auto"  # auto (bf16 where the device has it), no, bf16, fp16
+    eval_every: int = 100
+    eval_batches: int = 4
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class EvalSection:
+    max_new_tokens: int = 64
+    num_prompts: int = 8
+    temperature: float = 0.0
+    num_draft: int = -1  # -1: the tile rule's D
+
+
+@dataclass
+class TrackingSection:
+    report_to: str = "wandb"  # wandb (offline unless WANDB_API_KEY is set), tensorboard, none
+    project: str = "draftsmith"
+    run_name: str = ""
+
+
+@dataclass
+class MethodSection:
+    name: str = "mtp"
+    params: dict[str, Any] = field(default_factory=dict)  # only the keys the recipe set
+
+    def config_class(self) -> type:
+        return method_config_class(self.name)
+
+    def build_config(self, **derived):
+        """The drafter config: derived values (from the target) overridden by the recipe."""
+        return self.config_class()(**{**derived, **self.params})
+
+
+@dataclass
+class Recipe:
+    target: TargetSection = field(default_factory=TargetSection)
+    data: DataSection = field(default_factory=DataSection)
+    method: MethodSection = field(default_factory=MethodSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+
+
+def method_config_class(name: str) -> type:
+    if name not in METHODS:
+        raise DraftsmithError(f"method.name: unknown method {name!r} (known: {', '.join(METHODS)})")
+    module, cls = METHODS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+# ---------------------------------------------------------------- typed conversion
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only where lossless."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(value, option, key)
+            except DraftsmithError:
+                continue
+        raise DraftsmithError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is Any:
+        return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif origin in (list, tuple):
+        if isinstance(value, (list, tuple)):
+            (item,) = typing.get_args(tp)[:1] or (Any,)
+            return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    else:
+        return value
+    raise DraftsmithError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"{prefix}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise DraftsmithError(f"{path}: unknown key (known: {', '.join(sorted(names))})")
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def _build_method(data: dict) -> MethodSection:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"method: expected a mapping, got {data!r}")
+    data = dict(data)
+    name = data.pop("name", MethodSection.name)
+    if not isinstance(name, str):
+        raise DraftsmithError(f"method.name: expected str, got {name!r}")
+    cls = method_config_class(name)
+    typed = _build(cls, data, "method")  # validates every key and type
+    return MethodSection(name=name, params={k: getattr(typed, k) for k in data})
+
+
+def recipe_from_dict(data: dict) -> Recipe:
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"recipe: expected a mapping at the top level, got {type(data).__name__}")
+    data = dict(data)
+    method = _build_method(data.pop("method", None))
+    recipe = _build(Recipe, {k: v for k, v in data.items()}, "")
+    recipe.method = method
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    out = dataclasses.asdict(recipe)
+    out["method"] = {"name": recipe.method.name, **recipe.method.params}
+    return out
+
+
+# ---------------------------------------------------------------- files and overrides
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise DraftsmithError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise DraftsmithError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or key.startswith(".") or key.endswith("."):
+        raise DraftsmithError(f"override {text!r}: expected key.sub=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"recipe {path} not found")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise DraftsmithError(f"recipe {path} is not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise DraftsmithError(f"recipe {path}: expected a mapping at the top level")
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """Defaults, then the YAML file, then the command-line overrides."""
+    data = read_yaml(path) if path else {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_path(data, key, value)
+    try:
+        return recipe_from_dict(data)
+    except DraftsmithError as exc:
+        raise DraftsmithError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)

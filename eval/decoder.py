@@ -1,0 +1,392 @@
+"""The speculative decoder: one engine for every drafter, batch size 1.
+
+Cache invariant between steps: the target's KV cache holds every committed token except
+the last one, which is the first input of the next verify pass `[last, d1 .. dN]`. So a
+step is one target forward over 1 + N positions, the acceptance rule, and a cache trim:
+
+- chain: `crop_cache` to the accepted prefix (the rejected tail is simply dropped);
+- tree: the accepted path's KV rows are gathered in place onto consecutive slots right
+  after `last`, then the cache is cropped. Gathering costs a copy of a few rows per layer;
+  the alternative (crop, then re-run the path through the target) costs a forward pass.
+
+The prompt is prefilled once (not a verify pass); its last logits give the first token.
+Plain decoding is the same loop with an empty draft every step (`generate_plain`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.drafter import GREEDY, Drafter, NoDrafter, SamplingParams, TargetContext
+from draftsmith.eval.sampling import (
+    accept_chain_greedy,
+    accept_chain_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    next_token,
+    process_logits,
+)
+from draftsmith.models.target import crop_cache, new_cache, target_forward
+
+
+def default_num_draft(config, tile: int = 128, tp: int = 1) -> int:
+    """Drafts per verify that keep it in one attention tile: D = max(0, tile // G - 1).
+
+    G is the group size, query heads per KV head, that the kernel packs with the query
+    tokens into the rows of one tile (DESIGN.md section 3).
+    """
+    heads = config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None):  # multi-latent attention: one shared KV
+        kv_heads = 1
+    elif getattr(config, "multi_query", False):
+        kv_heads = 1
+    else:
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise DraftsmithError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    group = (heads // tp) // max(1, kv_heads // tp)
+    return max(0, tile // group - 1)
+
+
+@dataclass
+class DecodeStats:
+    """Per-generate counters; `merge` sums runs. Times in seconds."""
+
+    num_draft: int
+    verify_passes: int = 0
+    committed: int = 0  # tokens committed by verify passes (the prefill's token excluded)
+    accepted_hist: list[int] = field(default_factory=list)  # [D + 1]: steps with a drafts kept
+    position_accepted: list[int] = field(default_factory=list)  # [D]: steps keeping draft k
+    prefill_s: float = 0.0  # target prefill + the drafter's begin
+    draft_s: float = 0.0  # propose + commit of the drafter
+    verify_s: float = 0.0  # target forward of the verify pass
+    total_s: float = 0.0
+
+    def __post_init__(self):
+        self.accepted_hist = self.accepted_hist or [0] * (self.num_draft + 1)
+        self.position_accepted = self.position_accepted or [0] * self.num_draft
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.verify_passes if self.verify_passes else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        n = max(self.verify_passes, 1)
+        return [c / n for c in self.position_accepted]
+
+    @property
+    def other_s(self) -> float:
+        """Step time spent neither drafting nor in the target forward (acceptance, cache)."""
+        return self.total_s - self.prefill_s - self.draft_s - self.verify_s
+
+    def record_step(self, accepted: int, committed: int) -> None:
+        self.verify_passes += 1
+        self.committed += committed
+        self.accepted_hist[accepted] += 1
+        for k in range(accepted):
+            self.position_accepted[k] += 1
+
+    def merge(self, other: "DecodeStats") -> "DecodeStats":
+        if other.num_draft != self.num_draft:
+            raise ValueError("cannot merge stats of different draft lengths")
+        out = DecodeStats(self.num_draft)
+        for name in ("verify_passes", "committed", "prefill_s", "draft_s", "verify_s", "total_s"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
+        out.position_accepted = [a + b for a, b in zip(self.position_accepted, other.position_accepted)]
+        return out
+
+    def as_dict(self) -> dict:
+        return {
+            "num_draft": self.num_draft,
+            "verify_passes": self.verify_passes,
+            "committed": self.committed,
+            "tau": self.tau,
+            "accepted_hist": list(self.accepted_hist),
+            "per_position_acceptance": self.per_position_acceptance,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "other_s": self.other_s,
+            "total_s": self.total_s,
+        }
+
+
+@dataclass
+class DecodeResult:
+    tokens: torch.Tensor  # [n] generated tokens (EOS included when hit), prompt excluded
+    stats: DecodeStats
+
+
+@dataclass
+class DecodeState:
+    """One sequence in flight: the target cache (all committed tokens but `last`)."""
+
+    cache: object
+    last: torch.Tensor  # [1] the last committed token, not yet in the cache
+    generated: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    stats: DecodeStats
+    started: float = 0.0  # perf_counter at the start of the prefill
+    done: bool = False
+
+
+class _TreeMask:
+    """Additive 4D attention mask for tree verifies, kept in one buffer across steps.
+
+    The buffer is all zeros (visible) except the tree block written for the current step
+    and cleared after its forward, so the committed-prefix columns never need writing.
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.blocked = torch.finfo(dtype).min
+        self.buf = torch.zeros(1, 1, 0, 0, dtype=dtype, device=device)
+        self._block: torch.Tensor | None = None
+
+    def build(self, prefix: int, ancestors: torch.Tensor) -> torch.Tensor:
+        q = ancestors.shape[0]
+        rows, cols = self.buf.shape[2:]
+        if rows < q or cols < prefix + q:
+            cols = max(cols, -(-2 * (prefix + q) // 64) * 64)  # grow geometrically
+            self.buf = torch.zeros(1, 1, max(rows, q), cols, dtype=self.dtype, device=self.device)
+        self._block = self.buf[0, 0, :q, prefix : prefix + q]
+        block = torch.zeros(q, q, dtype=self.dtype).masked_fill_(~ancestors, self.blocked)
+        self._block.copy_(block, non_blocking=True)
+        return self.buf[:, :, :q, : prefix + q]
+
+    def clear(self) -> None:
+        if self._block is not None:
+            self._block.zero_()
+            self._block = None
+
+
+def _tree_layout(parents: list[int]) -> tuple[list[int], torch.Tensor, list[list[int]]]:
+    """Depth of each verify row, the ancestor-or-self matrix, and children per row.
+
+    Row 0 is the last committed token (the root), row i + 1 is draft node i.
+    """
+    n = len(parents)
+    depth = [0] * (n + 1)
+    children: list[list[int]] = [[] for _ in range(n + 1)]
+    ancestors = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    ancestors[:, 0] = True
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise DraftsmithError(f"draft tree node {i} has parent {parent}: nodes must come after their parent")
+        depth[i + 1] = depth[parent + 1] + 1
+        children[parent + 1].append(i)
+        ancestors[i + 1] = ancestors[parent + 1]
+        ancestors[i + 1, i + 1] = True
+    return depth, ancestors, children
+
+
+def _keep_cache_rows(cache, first: int, rows: list[int]) -> None:
+    """Move KV rows `rows` (absolute, increasing, each >= its destination) onto
+    `first, first + 1, ...` and drop everything after them."""
+    moved = [(dst, src) for dst, src in enumerate(rows, start=first) if dst != src]
+    if moved:
+        dst = torch.tensor([d for d, _ in moved])
+        src = torch.tensor([s for _, s in moved])
+        for layer in cache.layers:
+            dst, src = dst.to(layer.keys.device), src.to(layer.keys.device)
+            layer.keys[:, :, dst] = layer.keys[:, :, src]
+            layer.values[:, :, dst] = layer.values[:, :, src]
+    crop_cache(cache, first + len(rows))
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        target,
+        drafter: Drafter,
+        num_draft: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ):
+        """`num_draft` defaults to the tile rule; `eos_token_id` to the target's generation
+        config (pass `()` to decode to the limit regardless of EOS)."""
+        self.target = target
+        self.drafter = drafter
+        self.num_draft = default_num_draft(target.config) if num_draft is None else int(num_draft)
+        if self.num_draft < 0:
+            raise DraftsmithError(f"num_draft must be >= 0, got {num_draft}")
+        if eos_token_id is None:
+            gen = getattr(target, "generation_config", None)
+            eos_token_id = getattr(gen, "eos_token_id", None) or getattr(target.config, "eos_token_id", None)
+        if eos_token_id is None:
+            eos_token_id = ()
+        self.eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.device = next(target.parameters()).device
+        self._capture = tuple(sorted(set(drafter.capture_layers)))
+        self._tree_mask = _TreeMask(next(target.parameters()).dtype, self.device)
+        self._plain: SpeculativeDecoder | None = None
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    # ---- the public loop ----------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingParams = GREEDY,
+        generator: torch.Generator | None = None,
+    ) -> DecodeResult:
+        state = self.start(prompt_ids, max_new_tokens, sampling, generator)
+        while not state.done:
+            self.step(state)
+        state.stats.total_s = self._clock() - state.started
+        return DecodeResult(torch.tensor(state.generated, dtype=torch.long), state.stats)
+
+    def generate_plain(self, prompt_ids, max_new_tokens, sampling=GREEDY, generator=None) -> DecodeResult:
+        """Plain autoregressive decoding through the same cache code (tau = 1 exactly);
+        its verify time per pass is T_target."""
+        if self._plain is None:
+            self._plain = SpeculativeDecoder(self.target, NoDrafter(), num_draft=0, eos_token_id=tuple(self.eos))
+        return self._plain.generate(prompt_ids, max_new_tokens, sampling, generator)
+
+    @torch.no_grad()
+    def start(self, prompt_ids, max_new_tokens, sampling=GREEDY, generator=None) -> DecodeState:
+        """Prefill the prompt, choose the first token, hand both to the drafter."""
+        t0 = self._clock()
+        prompt = self._single_sequence(prompt_ids).to(self.device)
+        stats = DecodeStats(self.num_draft)
+        cache = new_cache(self.target)
+        state = DecodeState(cache, prompt[-1:], [], max_new_tokens, sampling, generator, stats, started=t0)
+        if max_new_tokens <= 0:
+            state.done = True
+            return state
+        out = target_forward(self.target, prompt[None], cache=cache, capture=self._capture, logits_to_keep=1)
+        first = next_token(out.logits[0, -1], sampling, generator).reshape(1)
+        hidden = {i: h[0] for i, h in out.hidden.items()}
+        self.drafter.begin(prompt, TargetContext(hidden, prompt, 0))
+        state.last = first
+        state.generated.append(int(first))
+        state.done = state.generated[-1] in self.eos or max_new_tokens == 1
+        if not state.done:
+            nothing = {i: h[:0] for i, h in hidden.items()}
+            self.drafter.commit(first, TargetContext(nothing, prompt[:0], len(prompt)))
+        stats.prefill_s = self._clock() - t0
+        return state
+
+    @torch.no_grad()
+    def step(self, state: DecodeState) -> list[int]:
+        """One draft + verify step; returns the tokens it committed."""
+        stats = state.stats
+        t0 = self._clock()
+        prefix = state.cache.get_seq_length()
+        # Never draft what the token limit could not keep: a drafts + 1 <= budget.
+        budget = state.max_new_tokens - len(state.generated)
+        draft = self.drafter.propose(min(self.num_draft, budget - 1), state.sampling, state.generator)
+        if len(draft) > self.num_draft:
+            raise DraftsmithError(f"drafter {self.drafter.name} proposed {len(draft)} nodes, more than {self.num_draft}")
+        t1 = self._clock()
+
+        draft_list = draft.tokens.tolist()
+        drafts = draft.tokens.to(self.device)
+        inputs = torch.cat([state.last, drafts])[None]
+        out, children = self._verify(state, inputs, draft.parents)
+        t2 = self._clock()
+
+        path, bonus = self._accept(out.logits[0], drafts, draft_list, draft.probs, children, state)
+        if children is None:
+            crop_cache(state.cache, prefix + 1 + len(path))
+            rows = slice(0, 1 + len(path))
+        else:
+            _keep_cache_rows(state.cache, prefix + 1, [prefix + 1 + c for c in path])
+            rows = torch.tensor([0] + [c + 1 for c in path], device=self.device)
+        new = [draft_list[c] for c in path] + [int(bonus)]
+        keep = self._keep(new, state)
+        stats.record_step(min(len(path), keep), keep)
+        state.generated.extend(new[:keep])
+        t3 = self._clock()
+        if not state.done:
+            committed = torch.cat([drafts[path], bonus.reshape(1)])
+            hidden = {i: h[0, rows] for i, h in out.hidden.items()}
+            self.drafter.commit(committed, TargetContext(hidden, inputs[0, rows], prefix))
+            state.last = committed[-1:]
+        t4 = self._clock()
+        stats.draft_s += (t1 - t0) + (t4 - t3)
+        stats.verify_s += t2 - t1
+        return new[:keep]
+
+    # ---- pieces of a step -----------------------------------------------------------
+
+    def _verify(self, state: DecodeState, inputs: torch.Tensor, parents: torch.Tensor | None):
+        """The target forward over `[last, drafts]`: causal for a chain; for a tree, each
+        node sees the prefix and its ancestors, at position prefix + depth."""
+        if parents is None:
+            return target_forward(self.target, inputs, cache=state.cache, capture=self._capture), None
+        self._check_tree_support()
+        prefix = state.cache.get_seq_length()
+        depth, ancestors, children = _tree_layout(parents.tolist())
+        positions = torch.tensor(depth, device=self.device).add_(prefix)[None]
+        mask = self._tree_mask.build(prefix, ancestors.to(self.device, non_blocking=True))
+        try:
+            out = target_forward(self.target, inputs, cache=state.cache, position_ids=positions,
+                                 attention_mask=mask, capture=self._capture)
+        finally:
+            self._tree_mask.clear()
+        return out, children
+
+    def _accept(self, logits, drafts, draft_list, probs, children, state) -> tuple[list[int], torch.Tensor]:
+        """(accepted draft node indices in order, the target's next token)."""
+        if state.sampling.greedy:
+            top = logits.argmax(-1)
+            top_list = top.tolist()
+            if children is None:
+                path = list(range(accept_chain_greedy(top_list, draft_list)))
+            else:
+                path = accept_tree_greedy(top_list, draft_list, children)
+            return path, top[path[-1] + 1 if path else 0]
+        p = process_logits(logits, state.sampling)
+        q = None if probs is None else probs.to(self.device, torch.float32)
+        if q is not None and q.shape[-1] != p.shape[-1]:
+            raise DraftsmithError(
+                f"drafter {self.drafter.name} gives probabilities over {q.shape[-1]} tokens, the target over {p.shape[-1]}"
+            )
+        if children is None:
+            a, bonus = accept_chain_sampled(p, drafts, q, state.generator)
+            return list(range(a)), bonus
+        return accept_tree_sampled(p, draft_list, children, q, state.generator)
+
+    def _keep(self, new: list[int], state: DecodeState) -> int:
+        """How many of this step's tokens count: up to the first EOS and the token limit."""
+        keep = next((i + 1 for i, t in enumerate(new) if t in self.eos), len(new))
+        budget = state.max_new_tokens - len(state.generated)
+        if keep < len(new) or keep >= budget:
+            state.done = True
+        return min(keep, budget)
+
+    def _check_tree_support(self) -> None:
+        impl = getattr(self.target.config, "_attn_implementation", "") or ""
+        if "flash" in impl:
+            raise DraftsmithError(
+                f"tree drafts need a 4D attention mask, which attn_implementation={impl!r} ignores; use 'sdpa' or 'eager'"
+            )
+
+    @staticmethod
+    def _single_sequence(prompt_ids) -> torch.Tensor:
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+        if prompt.dim() == 2:
+            if prompt.shape[0] != 1:
+                raise DraftsmithError(
+                    f"prompt batch of {prompt.shape[0]}: the speculative decoder runs one sequence at a time"
+                )
+            prompt = prompt[0]
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise DraftsmithError(f"prompt must be a non-empty 1D (or [1, T]) tensor of token ids, got shape {tuple(prompt.shape)}")
+        return prompt

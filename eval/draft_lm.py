@@ -1,0 +1,68 @@
+"""An external draft model: any Hugging Face causal LM with the target's vocabulary.
+
+It keeps its own KV cache with the same invariant as the target's: committed tokens it
+has already read, plus `pending` ones (committed, not yet fed). A proposal feeds the
+pending tokens, then its own drafts one at a time; `commit` crops the cache back to the
+committed tokens it holds, keeping the KV of drafts that were accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.drafter import Draft, SamplingParams
+from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.models.target import crop_cache, new_cache, target_forward
+
+
+class DraftModelDrafter:
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, model, target, name: str = "draft-lm"):
+        draft_vocab, target_vocab = model.config.vocab_size, getattr(target, "config", target).vocab_size
+        if draft_vocab != target_vocab:
+            raise DraftsmithError(
+                f"draft model {name}: vocabulary of {draft_vocab} tokens, the target has {target_vocab}; "
+                "a draft model must share the target's tokenizer"
+            )
+        self.name = name
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.pending = torch.empty(0, dtype=torch.long)
+        self.drafts_fed: int | None = None  # drafts whose KV the last proposal left in the cache
+
+    def begin(self, prompt_ids, ctx) -> None:
+        self.cache = new_cache(self.model)
+        self.pending = prompt_ids.to(self.device)
+        self.drafts_fed = None
+
+    @torch.no_grad()
+    def propose(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
+        if max_nodes <= 0:
+            return Draft.empty(self.device)
+        tokens, probs = [], []
+        step_input = self.pending
+        for _ in range(max_nodes):
+            logits = target_forward(self.model, step_input[None], cache=self.cache, logits_to_keep=1).logits[0, -1]
+            if sampling.greedy:
+                token = logits.argmax(-1)
+            else:
+                q = process_logits(logits, sampling)
+                token = sample(q, generator)
+                probs.append(q)
+            tokens.append(token)
+            step_input = token.reshape(1)
+        self.drafts_fed = max_nodes - 1  # the last draft was never fed back
+        return Draft(torch.stack(tokens), None, torch.stack(probs) if probs else None)
+
+    def commit(self, accepted, ctx) -> None:
+        accepted = accepted.to(self.device)
+        if self.drafts_fed is None:  # no proposal since the last commit: nothing was fed
+            self.pending = torch.cat([self.pending, accepted])
+            return
+        kept = min(len(accepted) - 1, self.drafts_fed)
+        crop_cache(self.cache, self.cache.get_seq_length() - self.drafts_fed + kept)
+        self.pending = accepted[kept:]
+        self.drafts_fed = None

@@ -1,0 +1,56 @@
+"""Prompt lookup: draft by copying what followed the latest earlier occurrence of the
+context's last n tokens (n from `max_ngram` down to `min_ngram`). No model, no training.
+
+An index from each n-gram to the position right after its latest occurrence is updated
+as tokens are committed, so a proposal costs a few dictionary look-ups however long the
+context. The n-gram ending at the last token is indexed only once another token follows
+it, so a look-up never finds the tail itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.drafter import Draft
+
+
+class NgramDrafter:
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise DraftsmithError(f"n-gram drafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.name = "ngram"
+        self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest match first
+        self.tokens: list[int] = []
+        self.next_after: dict[tuple[int, ...], int] = {}
+
+    def begin(self, prompt_ids, ctx) -> None:
+        self.tokens, self.next_after = [], {}
+        self._append(prompt_ids.tolist())
+
+    def commit(self, accepted, ctx) -> None:
+        self._append(accepted.tolist())
+
+    def _append(self, new: list[int]) -> None:
+        tokens = self.tokens
+        for token in new:
+            end = len(tokens)
+            for n in self.sizes:
+                if n <= end:
+                    self.next_after[tuple(tokens[end - n : end])] = end
+            tokens.append(token)
+
+    def propose(self, max_nodes, sampling, generator) -> Draft:
+        tokens = self.tokens
+        for n in self.sizes:
+            start = self.next_after.get(tuple(tokens[-n:])) if n <= len(tokens) else None
+            if start is not None and max_nodes > 0:
+                # Copy forward; a copy that reaches the end of the context continues into
+                # the tokens it has just copied (the periodic extension of a repeat).
+                out: list[int] = []
+                for j in range(start, start + max_nodes):
+                    out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+                return Draft(torch.tensor(out, dtype=torch.long))
+        return Draft.empty()

@@ -1,0 +1,270 @@
+"""Evaluation reports: report.json for machines, report.md and PNG plots for people.
+
+The results a benchmark hands to `write_report` (report.json is this dict as given):
+
+    target:   {path, H, KV, G, tile, D}          the target's tile plan (eval/tile.py)
+    settings: {dataset, num_prompts, max_new_tokens, temperature, top_k, top_p, seed}
+    baseline: {tokens_per_s, T_target_ms}        plain decoding: same target, prompts, settings, run
+    drafters: [{
+        name, spec,                              display name; what was loaded (path, method)
+        num_draft,                               D, the drafts proposed per verify pass
+        tau,                                     committed tokens / verify passes, bonus included
+        verify_passes, committed_tokens,
+        per_position_acceptance: [D floats],     k = 1..D: fraction of passes accepting draft k
+        accepted_length_hist: [D + 1 ints],      [i]: passes that accepted exactly i drafts
+        tokens_per_s, speedup,                   measured; speedup = tokens_per_s / baseline's
+        bound,                                   optional; if given, must equal speedup_bound(...)
+        T_draft_ms, T_verify_ms,                 mean time per verify pass to draft and to verify
+        extra: {name: value},                    optional, method-specific (e.g. early_stop_rate)
+    }]
+    prompts:  [{prompt_ids: [...], outputs: {drafter name or "baseline": [ids]}}]   optional
+
+Times are milliseconds. tau follows EAGLE, SGLang, SpecForge, DFlash and Spec-Bench: the
+bonus (or resampled) token counts, so plain decoding scores 1 (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import atomic_dir, write_json
+
+_REQUIRED = {
+    "target": ("path", "H", "KV", "G", "tile", "D"),
+    "settings": ("dataset", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p", "seed"),
+    "baseline": ("tokens_per_s", "T_target_ms"),
+}
+_DRAFTER_REQUIRED = (
+    "name", "spec", "num_draft", "tau", "verify_passes", "committed_tokens",
+    "per_position_acceptance", "accepted_length_hist", "tokens_per_s", "speedup",
+    "T_draft_ms", "T_verify_ms",
+)
+PLOTS = {
+    "acceptance.png": "acceptance per draft position",
+    "tau.png": "tau per drafter",
+    "speedup.png": "measured speedup beside its bound",
+    "accepted_lengths.png": "accepted drafts per verify pass",
+}
+TAU_NOTE = (
+    "tau counts the bonus token: it is committed tokens per target verify pass, so plain "
+    "decoding scores 1.00 (the EAGLE, SGLang, SpecForge and Spec-Bench convention); "
+    "transformers and gpt-fast print tau - 1."
+)
+
+
+def speedup_bound(tau: float, t_target: float, t_draft: float, t_verify: float) -> float:
+    """Speedup if nothing but drafting and verifying took time: tau * T_target / (T_draft + T_verify)."""
+    if t_draft + t_verify <= 0:
+        raise DraftsmithError(f"T_draft + T_verify must be positive, got {t_draft} + {t_verify}")
+    return tau * t_target / (t_draft + t_verify)
+
+
+def write_report(results: dict, out_dir: str | Path) -> Path:
+    """Write report.json, report.md and the plots into `out_dir`, all or nothing."""
+    _check(results)
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        write_json(tmp / "report.json", results)
+        (tmp / "report.md").write_text(_markdown(results), encoding="utf-8")
+        _plot_acceptance(results["drafters"], tmp / "acceptance.png")
+        _plot_tau(results["drafters"], tmp / "tau.png")
+        bounds = [_bound(d, results["baseline"]) for d in results["drafters"]]
+        _plot_speedup(results["drafters"], bounds, tmp / "speedup.png")
+        _plot_accepted_lengths(results["drafters"], tmp / "accepted_lengths.png")
+    return out_dir
+
+
+def format_table(results: dict) -> str:
+    """The drafters side by side, plain decoding first, as a Markdown table."""
+    _check(results)
+    return _drafter_table(results)
+
+
+def _drafter_table(results: dict) -> str:
+    drafters = results["drafters"]
+    extras = list(dict.fromkeys(key for d in drafters for key in d.get("extra") or {}))
+    header = ["drafter", "D", "tau", "tokens/s", "speedup", "bound", "T_draft ms", "T_verify ms"]
+    header += [key.replace("_", " ") for key in extras]
+    baseline = results["baseline"]
+    rows = [["plain decoding", "0", "1.00", f"{baseline['tokens_per_s']:.1f}", "1.00x", "-", "-", "-"]
+            + ["-"] * len(extras)]
+    for d in drafters:
+        row = [
+            d["name"], str(d["num_draft"]), f"{d['tau']:.2f}", f"{d['tokens_per_s']:.1f}",
+            f"{d['speedup']:.2f}x", f"{_bound(d, baseline):.2f}x",
+            f"{d['T_draft_ms']:.2f}", f"{d['T_verify_ms']:.2f}",
+        ]
+        row += [_cell((d.get("extra") or {}).get(key)) for key in extras]
+        rows.append(row)
+    align = ["---"] + ["---:"] * (len(header) - 1)
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *rows])
+
+
+def _bound(drafter: dict, baseline: dict) -> float:
+    return speedup_bound(
+        drafter["tau"], baseline["T_target_ms"], drafter["T_draft_ms"], drafter["T_verify_ms"]
+    )
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _check(results: dict) -> None:
+    """Fail on the first missing key, by its path, before anything is written."""
+    for section, keys in _REQUIRED.items():
+        _require(results, section, "")
+        for key in keys:
+            _require(results[section], key, section)
+    _require(results, "drafters", "")
+    if not results["drafters"]:
+        raise DraftsmithError("results have no drafters to compare")
+    for i, d in enumerate(results["drafters"]):
+        where = f"drafters[{i}]"
+        for key in _DRAFTER_REQUIRED:
+            _require(d, key, where)
+        num_draft = d["num_draft"]
+        if len(d["per_position_acceptance"]) != num_draft or len(d["accepted_length_hist"]) != num_draft + 1:
+            raise DraftsmithError(
+                f"{where} ({d['name']}): per_position_acceptance needs {num_draft} values and "
+                f"accepted_length_hist {num_draft + 1} for num_draft {num_draft}"
+            )
+        # A bound computed elsewhere with another tau convention would silently mislead.
+        bound = _bound(d, results["baseline"])
+        if "bound" in d and not math.isclose(d["bound"], bound, rel_tol=0.01):
+            raise DraftsmithError(
+                f"{where}.bound is {d['bound']}, but tau * T_target / (T_draft + T_verify) = {bound:.4g}"
+            )
+    names = [d["name"] for d in results["drafters"]]
+    if len(set(names)) != len(names):
+        raise DraftsmithError(f"drafter names must be unique, got {', '.join(names)}")
+
+
+def _require(obj: dict, key: str, where: str) -> None:
+    if not isinstance(obj, dict) or key not in obj:
+        raise DraftsmithError(f"results have no {where + '.' if where else ''}{key}")
+
+
+def _markdown(results: dict) -> str:
+    target, settings, baseline = results["target"], results["settings"], results["baseline"]
+    drafters = results["drafters"]
+    setting_keys = _REQUIRED["settings"]
+    lines = [
+        "# Speculative decoding report",
+        "",
+        f"Target `{target['path']}`: H = {target['H']} query heads, KV = {target['KV']} KV heads, "
+        f"G = {target['G']} (the group size, query heads per KV head, that the verify kernel packs), "
+        f"tile {target['tile']} rows, so D = {target['D']} drafts fit one tile.",
+        "",
+        "## Settings",
+        "",
+        "| " + " | ".join(k.replace("_", " ") for k in setting_keys) + " |",
+        "|" + "---|" * len(setting_keys),
+        "| " + " | ".join(str(settings[k]) for k in setting_keys) + " |",
+        "",
+        "## Drafters",
+        "",
+        _drafter_table(results),
+        "",
+        TAU_NOTE,
+        f"Speedup is measured tokens/s over plain decoding ({baseline['tokens_per_s']:.1f} tokens/s, "
+        f"T_target = {baseline['T_target_ms']:.2f} ms per step) in the same run; bound = "
+        "tau * T_target / (T_draft + T_verify) from the measured times.",
+        "",
+        "![tau per drafter](tau.png)",
+        "![measured speedup beside its bound](speedup.png)",
+        "",
+        "## Acceptance per draft position",
+        "",
+        "Fraction of verify passes in which draft position k was accepted.",
+        "",
+        "| k | " + " | ".join(d["name"] for d in drafters) + " |",
+        "|---:|" + "---:|" * len(drafters),
+    ]
+    for k in range(1, max((d["num_draft"] for d in drafters), default=0) + 1):
+        cells = [
+            f"{d['per_position_acceptance'][k - 1]:.3f}" if k <= d["num_draft"] else "-" for d in drafters
+        ]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "![per-position acceptance](acceptance.png)",
+        "",
+        "## Accepted drafts per verify pass",
+        "",
+        "![histogram of accepted drafts](accepted_lengths.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# Plots draw on a bare Figure: it renders with Agg and touches no pyplot global state,
+# so reports can be written from threads and headless machines alike.
+def _figure(integer_x: bool = False):
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    if integer_x:  # draft positions and counts: no ticks at 1.5
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def _save(fig, path: Path, title: str) -> None:
+    fig.axes[0].set_title(title)
+    fig.savefig(path, dpi=120)
+
+
+def _name_ticks(ax, drafters: list[dict]) -> None:
+    ax.set_xticks(range(len(drafters)), [d["name"] for d in drafters], rotation=20, ha="right")
+
+
+def _plot_acceptance(drafters: list[dict], path: Path) -> None:
+    fig, ax = _figure(integer_x=True)
+    for d in drafters:
+        ax.plot(range(1, d["num_draft"] + 1), d["per_position_acceptance"], marker="o", label=d["name"])
+    ax.set(xlabel="draft position k", ylabel="fraction of verify passes accepted", ylim=(0, 1.02))
+    ax.legend()
+    _save(fig, path, PLOTS[path.name])
+
+
+def _plot_tau(drafters: list[dict], path: Path) -> None:
+    fig, ax = _figure()
+    bars = ax.bar(range(len(drafters)), [d["tau"] for d in drafters])
+    ax.bar_label(bars, fmt="%.2f")
+    ax.axhline(1.0, color="grey", linestyle="--", label="plain decoding")
+    _name_ticks(ax, drafters)
+    ax.set(ylabel="tau (tokens per verify pass, bonus included)")
+    ax.legend()
+    _save(fig, path, PLOTS[path.name])
+
+
+def _plot_speedup(drafters: list[dict], bounds: list[float], path: Path, width: float = 0.4) -> None:
+    fig, ax = _figure()
+    x = range(len(drafters))
+    measured = ax.bar([i - width / 2 for i in x], [d["speedup"] for d in drafters], width, label="measured")
+    bound = ax.bar([i + width / 2 for i in x], bounds, width, label="bound")
+    for bars in (measured, bound):
+        ax.bar_label(bars, fmt="%.2f")
+    ax.axhline(1.0, color="grey", linestyle="--")
+    _name_ticks(ax, drafters)
+    ax.set(ylabel="speedup over plain decoding")
+    ax.legend()
+    _save(fig, path, PLOTS[path.name])
+
+
+def _plot_accepted_lengths(drafters: list[dict], path: Path) -> None:
+    fig, ax = _figure(integer_x=True)
+    for d in drafters:
+        counts = d["accepted_length_hist"]
+        total = sum(counts) or 1
+        edges = [i - 0.5 for i in range(len(counts) + 1)]
+        ax.stairs([c / total for c in counts], edges, label=d["name"])
+    ax.set(xlabel="drafts accepted in one verify pass", ylabel="fraction of verify passes")
+    ax.legend()
+    _save(fig, path, PLOTS[path.name])

@@ -1,0 +1,141 @@
+"""Logits processing and the lossless acceptance rules of speculative decoding.
+
+Target and drafter distributions go through the same `process_logits`, so "p" and "q"
+below are always the *processed* distributions (temperature, top-k, top-p applied).
+
+Layout used by the acceptance functions: `p` has one row per verify position, row 0 the
+target's distribution after the last committed token and row i + 1 the one after draft
+node i. Greedy verification compares against the target's argmax at each row.
+
+Sampling (Leviathan et al. 2023; Chen et al. 2023): accept draft x ~ q with probability
+min(1, p(x) / q(x)); on rejection draw from norm(max(0, p - q)). The committed token is
+then distributed exactly as p. For a tree (SpecInfer's multi-step speculative sampling,
+as used by EAGLE), the children of the current node are tried in turn, each against the
+residual left by the siblings rejected before it; the result is exact as long as each
+child's token was drawn from the q recorded for it, given the earlier siblings (i.i.d.
+siblings: the same q; without replacement: q without the earlier ones; deterministic
+drafts: one-hot q, for which the residual is p with the rejected token removed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.eval.drafter import SamplingParams
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (in that order, as transformers)."""
+    scores = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_probs = sorted_scores.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        # Drop a token once the more likely ones already cover top_p; the top one stays.
+        drop_sorted = mass_before >= sampling.top_p
+        drop_sorted[..., 0] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of `probs` ([..., V] -> [...])."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, sampling: SamplingParams, generator=None) -> torch.Tensor:
+    """The target's own choice from `logits` [..., V]: argmax when greedy, else a sample."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return sample(process_logits(logits, sampling), generator)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); p itself when the residual is all zero (p == q), never NaN.
+
+    With p == q a rejection has probability 0, so which distribution we fall back to only
+    matters for float round-off; p is the one that keeps the output distributed as p.
+    """
+    r = (p - q).clamp_min_(0.0)
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)
+
+
+def _one_hot(token, like: torch.Tensor) -> torch.Tensor:
+    hot = torch.zeros_like(like)
+    hot[token] = 1.0
+    return hot
+
+
+def accept_chain_greedy(target_top: list[int], drafts: list[int]) -> int:
+    """Number of drafts equal to the target's argmax at their position."""
+    a = 0
+    while a < len(drafts) and drafts[a] == target_top[a]:
+        a += 1
+    return a
+
+
+def accept_chain_sampled(
+    p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, generator=None
+) -> tuple[int, torch.Tensor]:
+    """Speculative sampling along a chain: (number accepted, the next token to commit).
+
+    p: [k + 1, V] target, drafts: [k], q: [k, V] or None (one-hot drafts).
+    All k accept tests are drawn at once; only the first rejection matters.
+    """
+    k = drafts.shape[0]
+    rows = torch.arange(k, device=p.device)
+    p_x = p[rows, drafts]
+    q_x = q[rows, drafts] if q is not None else torch.ones_like(p_x)
+    u = torch.rand(k, device=p.device, generator=generator)
+    # u * q < p  <=>  u < p / q without dividing; accepts surely when p >= q.
+    accepted = int((u * q_x < p_x).long().cumprod(0).sum())
+    if accepted == k:
+        return k, sample(p[k], generator)
+    q_a = q[accepted] if q is not None else _one_hot(drafts[accepted], p[accepted])
+    return accepted, sample(residual(p[accepted], q_a), generator)
+
+
+def accept_tree_greedy(target_top: list[int], tokens: list[int], children: list[list[int]]) -> list[int]:
+    """The accepted path (draft node indices, root excluded) under greedy verification.
+
+    children[0] are the root's children, children[i + 1] those of draft node i.
+    """
+    path: list[int] = []
+    row = 0
+    while True:
+        want = target_top[row]
+        match = next((c for c in children[row] if tokens[c] == want), None)
+        if match is None:
+            return path
+        path.append(match)
+        row = match + 1
+
+
+def accept_tree_sampled(
+    p: torch.Tensor, tokens: list[int], children: list[list[int]], q: torch.Tensor | None, generator=None
+) -> tuple[list[int], torch.Tensor]:
+    """Multi-draft recursive rejection sampling down a tree: (accepted path, next token)."""
+    path: list[int] = []
+    row = 0
+    while True:
+        dist = p[row]
+        kids = children[row]
+        u = torch.rand(len(kids), device=p.device, generator=generator).tolist() if kids else []
+        chosen = None
+        for c, u_c in zip(kids, u):
+            x = tokens[c]
+            q_c = q[c] if q is not None else _one_hot(x, dist)
+            if u_c * float(q_c[x]) < float(dist[x]):
+                chosen = c
+                break
+            dist = residual(dist, q_c)
+        if chosen is None:
+            return path, sample(dist, generator)
+        path.append(chosen)
+        row = chosen + 1

@@ -1,0 +1,171 @@
+"""The tile planner: how many drafts one verify pass can check for the price of one token.
+
+Verify attention kernels (FlashAttention-3/4, FlashInfer, FlashMLA) pack the `G` query
+heads that share a KV head together with the `1 + D` query tokens into the rows of one
+tile. While `G * (1 + D) <= T` the verify pass walks the KV cache once, as plain decoding
+does; one row more and a second tile walks it again. So the draft budget is
+
+    D = max(0, T // G - 1)
+
+and for a draft tree the node count, root included, takes the place of `1 + D`
+(DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import read_json
+
+# Row counts of the verify tiles in use: FlashMLA 64; FA3 (head_dim 128/256), FA4 and
+# FlashInfer 128; FA3 at head_dim <= 96 192; 256 on the widest configurations.
+COMMON_TILES = (64, 128, 192, 256)
+
+# GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`.
+_HEAD_KEYS = ("num_attention_heads", "n_head")
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Figures named as in DESIGN.md section 3; H and KV are whole-model counts."""
+
+    H: int  # query heads
+    KV: int  # KV heads (1 for multi-latent attention)
+    G: int  # query heads per KV head on one tensor-parallel rank
+    tile: int  # rows per tile, T
+    tp: int  # tensor-parallel degree
+    D: int  # drafts that fit one tile with the root token
+    mla: bool  # multi-latent attention: all heads share one latent KV
+
+
+def read_target_config(spec: str | Path) -> dict:
+    """The attention fields of a target: `spec` is a model folder, a config.json, or a hub
+    name already in the local Hugging Face cache (never downloaded)."""
+    path = Path(spec)
+    if path.is_dir():
+        config = read_json(path / "config.json")
+    elif path.is_file():
+        config = read_json(path)
+    else:
+        config = _cached_hub_config(str(spec))
+    if not isinstance(config, dict):
+        raise DraftsmithError(f"{spec}: config is not a JSON object")
+    # Multimodal configs (Llava, Gemma 3, Llama 4, ...) keep the language model's
+    # attention fields under `text_config`.
+    if not _has_heads(config) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    if not _has_heads(config):
+        raise DraftsmithError(
+            f"{spec}: config has no num_attention_heads (nor text_config.num_attention_heads)"
+        )
+    return config
+
+
+def _cached_hub_config(name: str) -> dict:
+    from huggingface_hub import try_to_load_from_cache
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError) as exc:
+        # Models with remote code (Kimi-K2, ...) have a model_type transformers does not
+        # know, but their cached config.json has every field the plan needs.
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            return read_json(cached)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DraftsmithError(
+            f"{name}: not a model folder or config.json, and not loadable from the local "
+            f"Hugging Face cache ({reason})"
+        ) from None
+
+
+def _has_heads(config: dict) -> bool:
+    return any(config.get(key) for key in _HEAD_KEYS)
+
+
+def plan_tile(config: dict, tile: int = 128, tp: int = 1) -> TilePlan:
+    """Size the draft for `config` on a verify kernel with `tile` rows at tensor parallel `tp`."""
+    if tile < 1 or tp < 1:
+        raise DraftsmithError(f"tile ({tile}) and tp ({tp}) must be positive")
+    heads = next((config[key] for key in _HEAD_KEYS if config.get(key)), None)
+    if heads is None:
+        raise DraftsmithError("config has no num_attention_heads")
+    mla = config.get("kv_lora_rank") is not None
+    if mla:
+        # MLA caches one latent vector per token that every query head attends to.
+        kv = 1
+    elif config.get("num_key_value_heads") is not None:
+        kv = config["num_key_value_heads"]
+    elif config.get("multi_query"):
+        kv = 1
+    else:
+        kv = heads  # plain multi-head attention
+    if kv < 1 or heads % kv:
+        raise DraftsmithError(
+            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
+        )
+    if heads % tp:
+        raise DraftsmithError(f"num_attention_heads {heads} does not split over tp {tp}")
+    # KV heads are split across ranks, or replicated when there are fewer than ranks.
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise DraftsmithError(f"num_key_value_heads {kv} does not split over tp {tp}")
+    group = (heads // tp) // max(1, kv // tp)
+    return TilePlan(H=heads, KV=kv, G=group, tile=tile, tp=tp, D=max(0, tile // group - 1), mla=mla)
+
+
+def tree_budget(plan: TilePlan) -> int:
+    """Tree nodes, root included, that fit one tile (the root always exists)."""
+    return max(1, plan.tile // plan.G)
+
+
+def rows_used(plan: TilePlan, num_draft: int) -> int:
+    return plan.G * (1 + num_draft)
+
+
+def tiles_launched(plan: TilePlan, num_draft: int) -> int:
+    return math.ceil(rows_used(plan, num_draft) / plan.tile)
+
+
+def fitting_tile(group: int) -> int:
+    """The smallest common tile with room for one draft (2G rows), else 2G itself."""
+    return next((t for t in COMMON_TILES if t >= 2 * group), 2 * group)
+
+
+def format_plan(plan: TilePlan) -> str:
+    kv_kind = " (multi-latent attention: one latent KV for all heads)" if plan.mla else ""
+    lines = [f"heads  H = {plan.H} query, KV = {plan.KV}{kv_kind}"]
+    if plan.tp > 1:
+        kv_per_rank = max(1, plan.KV // plan.tp)
+        lines.append(f"tp     {plan.tp}: {plan.H // plan.tp} query and {kv_per_rank} KV heads per rank")
+    lines += [f"G      {plan.G}", f"tile   T = {plan.tile} rows"]
+    if plan.D == 0:
+        lines.append(
+            f"D      0, no room for drafts: the root token alone fills G = {plan.G} rows and "
+            f"the tile has {plan.tile}; a tile of {fitting_tile(plan.G)} rows would fit one draft."
+        )
+    else:
+        nodes = tree_budget(plan)
+        lines.append(f"D      {plan.D} drafts in a chain, or a tree of {nodes} nodes with the root")
+    lines += [
+        "",
+        "G is the group size (query heads per KV head) that the verify kernel packs, with the "
+        "query tokens, into the rows of one tile.",
+        "",
+        "| drafts | rows G*(1+d) | tiles |",
+        "|---:|---:|---:|",
+    ]
+    around = range(max(0, plan.D - 2), plan.D + 3)
+    for d in sorted({*around, 2 * plan.D + 1}):
+        label = f"{d} = D" if d == plan.D else str(d)
+        lines.append(f"| {label} | {rows_used(plan, d)} | {tiles_launched(plan, d)} |")
+    return "\n".join(lines)
+
+
+def plan_command(target: str, tile: int, tp: int) -> str:
+    """What `draftsmith plan` prints for one target."""
+    plan = plan_tile(read_target_config(target), tile=tile, tp=tp)
+    return f"target {target}\n{format_plan(plan)}"

@@ -1,0 +1,483 @@
+"""DFlash: a block-diffusion drafter that fills a whole block of mask tokens in one pass.
+
+A few Qwen3-style decoder layers (per-head q_norm/k_norm, final norm) with no embedding or
+head of their own: the block's input embeddings and the output head are the frozen
+target's. The target's view of the committed text comes in as context features, the
+outputs of n target layers concatenated, `fc` (n*H_t -> H, no bias), then `hidden_norm`.
+In every layer the keys and values are [proj(context); proj(block)] with the layer's own
+k_proj/v_proj, and the queries come from the block only; attention is bidirectional
+inside the block. The context K/V of a position never change once computed, so decoding
+keeps them per layer in a `ContextCache` and a step only runs the block.
+
+Position ids (training and decoding alike): every token keeps its absolute position. The
+context feature of position p (the target's hidden state after reading token p) sits at
+p; the block of anchor a (the last committed token, whose hidden state the target has not
+computed yet) occupies a .. a + B - 1 and sees the context at 0 .. a - 1, nothing later.
+
+Block convention: draft j (1-based) is always the token at a + j. DFlash reads it from
+slot j, so the anchor slot only conditions and B inputs give B - 1 drafts; DSpark
+(dspark.py) reads it from slot j - 1, the anchor being the first prediction slot.
+`first_prediction_slot` carries the difference; the rest of this file serves both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv, rotate_half,
+)
+
+from draftsmith.errors import DraftsmithError
+
+# Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
+# drafts). Keyed by drafts so that DSpark's convention gets the same decay per draft.
+_GAMMA_BY_DRAFTS = ((7, 4.0), (9, 5.0), (15, 7.0))
+
+
+def default_gamma(num_drafts: int) -> float:
+    """Piecewise-linear through the published points, extended linearly past both ends."""
+    pts = _GAMMA_BY_DRAFTS
+    i = 0 if num_drafts <= pts[1][0] else 1
+    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+    return max(1.0, y0 + (num_drafts - x0) * (y1 - y0) / (x1 - x0))
+
+
+def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """DFlash's default context layers: round(1 + i*(L - 4)/(n - 1)), or L // 2 for one."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def tile_draft_budget(target_config, tile: int = 128) -> tuple[int, int]:
+    """(G, D) of the tile rule at tp 1 (DESIGN.md section 3): D = max(0, tile // G - 1).
+
+    eval/tile.py is the full planner (tensor parallel, reports); models/ may not import
+    eval/, so the rule is restated here for sizing the block."""
+    heads = target_config.num_attention_heads
+    if getattr(target_config, "kv_lora_rank", None) is not None or getattr(target_config, "multi_query", False):
+        kv = 1  # multi-latent / multi-query attention: one KV for all heads
+    else:
+        kv = getattr(target_config, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise DraftsmithError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    group = heads // kv
+    return group, max(0, tile // group - 1)
+
+
+def auto_block_size(target_config, tile: int = 128, first_prediction_slot: int = 1) -> int:
+    """The block that fills one verify tile: 1 + D for DFlash, D for DSpark."""
+    group, budget = tile_draft_budget(target_config, tile)
+    if budget == 0:
+        raise DraftsmithError(
+            f"block_size auto: no room for drafts, G = {group} query heads per KV head fill the "
+            f"{tile}-row tile with the root token alone; a tile of {2 * group} rows would fit one draft"
+        )
+    return budget + first_prediction_slot
+
+
+@dataclass
+class DFlashConfig:
+    """Fields left None are derived from the target by `from_target`."""
+
+    hidden_size: int | None = None  # the drafter's width; default the target's
+    target_hidden_size: int | None = None
+    num_target_layers: int | None = None
+    vocab_size: int | None = None  # the target's (shared embedding and head)
+    num_layers: int | None = None  # 5, fewer for shallow targets
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    max_position_embeddings: int | None = None
+    block_size: int | str = "auto"  # B; "auto": fill one verify tile
+    allow_large_block: bool = False  # silence the warning for B past the tile rule
+    target_layer_ids: list[int] | None = None  # "output of layer i", 0-based
+    mask_token_id: int | None = None
+    gamma: float | None = None  # loss decay over draft positions
+    num_anchors: int = 512  # blocks per sequence in one training pass
+
+    # Draft j is read from slot j - 1 + first_prediction_slot (module docstring).
+    @property
+    def first_prediction_slot(self) -> int:
+        return 1
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.block_size - self.first_prediction_slot
+
+    @classmethod
+    def from_target(cls, target_config, tile: int = 128, **overrides) -> "DFlashConfig":
+        """The drafter for a target: its attention shape, layers spread over its depth, the
+        block sized by the tile rule; `overrides` (recipe keys) win over all of it."""
+        if isinstance(target_config, dict):
+            target_config = SimpleNamespace(**target_config)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise DraftsmithError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}")
+        t = target_config
+        heads = t.num_attention_heads
+        rope = getattr(t, "rope_parameters", None) or {}
+        derived = dict(
+            hidden_size=t.hidden_size, target_hidden_size=t.hidden_size, num_target_layers=t.num_hidden_layers,
+            vocab_size=t.vocab_size, num_layers=min(5, max(1, t.num_hidden_layers // 4)),
+            num_heads=heads, num_kv_heads=getattr(t, "num_key_value_heads", None) or heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+            intermediate_size=t.intermediate_size, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta") or getattr(t, "rope_theta", None) or 10000.0,
+            max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
+            mask_token_id=getattr(t, "mask_token_id", None),
+        )
+        values = {**derived, **{k: v for k, v in overrides.items() if v is not None}}
+        config = cls(**values)
+        if config.block_size == "auto":
+            config.block_size = auto_block_size(t, tile, config.first_prediction_slot)
+        config.resolve()
+        config.check_tile(t, tile)
+        return config
+
+    def resolve(self) -> "DFlashConfig":
+        """Fill what follows from the rest, then refuse anything inconsistent (one line)."""
+        missing = [f.name for f in dataclasses.fields(self)
+                   if getattr(self, f.name) is None and f.name not in ("target_layer_ids", "gamma")]
+        if missing:
+            hint = " (the tokenizer's mask token)" if missing == ["mask_token_id"] else ""
+            raise DraftsmithError(f"{type(self).__name__}: {', '.join(missing)} not set{hint}")
+        if isinstance(self.block_size, str):
+            raise DraftsmithError(f"block_size {self.block_size!r} needs the target: build the config with from_target")
+        if self.drafts_per_block < 1:
+            raise DraftsmithError(
+                f"block_size {self.block_size!r} gives no drafts (need at least {self.first_prediction_slot + 1})"
+            )
+        if self.target_layer_ids is None:
+            self.target_layer_ids = spread_layer_ids(self.num_target_layers, self.num_layers)
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        depth = self.num_target_layers
+        for i in self.target_layer_ids:
+            if not 0 <= i < depth:
+                raise DraftsmithError(
+                    f"target_layer_ids: layer {i} is beyond the target's depth ({depth} layers, ids 0..{depth - 1})"
+                )
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise DraftsmithError(
+                f"target_layer_ids {self.target_layer_ids} repeat a layer (a {depth}-layer target is too shallow "
+                f"to spread {len(self.target_layer_ids)}); set target_layer_ids or fewer num_layers"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DraftsmithError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if self.num_heads % self.num_kv_heads:
+            raise DraftsmithError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.gamma is None:
+            self.gamma = default_gamma(self.drafts_per_block)
+        return self
+
+    def check_tile(self, target_config, tile: int = 128) -> None:
+        """Warn, with the numbers, when one verify of a full block needs a second tile."""
+        group, budget = tile_draft_budget(target_config, tile)
+        drafts = self.drafts_per_block
+        if drafts > budget and not self.allow_large_block:
+            warnings.warn(
+                f"block_size {self.block_size} gives {drafts} drafts per verify, past the tile rule: "
+                f"G = {group} query heads per KV head x (1 + {drafts}) rows = {group * (1 + drafts)} > tile {tile}, "
+                f"so D = {budget} (block_size {budget + self.first_prediction_slot}); set allow_large_block to keep it",
+                stacklevel=3,
+            )
+
+    def qwen3_config(self):
+        """The transformers Qwen3Config of the backbone (for its MLP, rotary and exports)."""
+        from transformers import Qwen3Config
+
+        return Qwen3Config(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_theta)},
+        )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [B, heads, T, hd] with cos/sin [B, T, hd] (transformers' rotate_half convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values also cover the context; names as in Qwen3Attention."""
+
+    def __init__(self, qc):
+        super().__init__()
+        hd, heads, kv = qc.head_dim, qc.num_attention_heads, qc.num_key_value_heads
+        self.head_dim, self.groups, self.scaling = hd, heads // kv, hd**-0.5
+        self.q_proj = nn.Linear(qc.hidden_size, heads * hd, bias=False)
+        self.k_proj = nn.Linear(qc.hidden_size, kv * hd, bias=False)
+        self.v_proj = nn.Linear(qc.hidden_size, kv * hd, bias=False)
+        self.o_proj = nn.Linear(heads * hd, qc.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(hd, eps=qc.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(hd, eps=qc.rms_norm_eps)
+
+    def project_kv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values [B, KV, T, hd] of context or block rows."""
+        shape = (*x.shape[:2], -1, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        return _rotate(k, cos, sin), v
+
+    def forward(self, x, context_k, context_v, cos, sin, visible=None) -> torch.Tensor:
+        """x: [B, Q, H] block rows; visible: bool [B, 1, Q, Tc + Q] or None (all visible).
+
+        CPU and plain GPU runs use SDPA with the explicit mask. At training scale the mask
+        is block-sparse (each block reads a context prefix and its own B keys), which is
+        what flex attention exploits: build a BlockMask from the predicate documented in
+        `block_visibility` and call flex_attention(q, k, v, block_mask=...) here instead;
+        at decode there is no mask at all, so any flash kernel with is_causal=False fits.
+        """
+        shape = (*x.shape[:2], -1, self.head_dim)
+        q = _rotate(self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
+        k, v = self.project_kv(x, cos, sin)
+        k = repeat_kv(torch.cat([context_k, k], dim=2), self.groups)
+        v = repeat_kv(torch.cat([context_v, v], dim=2), self.groups)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scaling)
+        return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3 decoder layer (pre-norm residual) around DFlashAttention."""
+
+    def __init__(self, qc):
+        super().__init__()
+        self.self_attn = DFlashAttention(qc)
+        self.mlp = Qwen3MLP(qc)
+        self.input_layernorm = Qwen3RMSNorm(qc.hidden_size, eps=qc.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(qc.hidden_size, eps=qc.rms_norm_eps)
+
+    def forward(self, x, context_k, context_v, cos, sin, visible=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context_k, context_v, cos, sin, visible)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names follow the z-lab reference (layers.i.*, fc, hidden_norm, norm)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config.resolve()
+        qc = config.qwen3_config()
+        n = len(config.target_layer_ids)
+        self.layers = nn.ModuleList(DFlashLayer(qc) for _ in range(config.num_layers))
+        self.fc = nn.Linear(n * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(qc)  # inv_freq is a non-persistent buffer
+        for module in self.modules():
+            if isinstance(module, nn.Linear):  # the transformers initialisation (std 0.02)
+                nn.init.normal_(module.weight, std=0.02)
+
+    @property
+    def first_prediction_slot(self) -> int:
+        return self.config.first_prediction_slot
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.config.drafts_per_block
+
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context K/V of target features [B, T, n*H_t] at positions [B, T]."""
+        ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(ctx, positions)
+        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds, block_positions, context_kv, visible=None) -> torch.Tensor:
+        """Final-normed hidden states [B, Q, H] of block rows at positions [B, Q]."""
+        x = block_embeds.to(self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(x, block_positions)
+        for layer, (k, v) in zip(self.layers, context_kv):
+            x = layer(x, k, v, cos, sin, visible)
+        return self.norm(x)
+
+    def decode_hidden(self, anchor: torch.Tensor, cache: "ContextCache", embed: nn.Module) -> torch.Tensor:
+        """One decode step: hidden [B, drafts, H] of the prediction slots for the block
+        [anchor, MASK x (B - 1)] at positions len(cache) .. len(cache) + B - 1."""
+        size = self.config.block_size
+        ids = torch.full((anchor.shape[0], size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
+        ids[:, 0] = anchor
+        positions = torch.arange(len(cache), len(cache) + size, device=anchor.device).expand_as(ids)
+        hidden = self(embed(ids), positions, cache.layers)
+        first = self.first_prediction_slot
+        return hidden[:, first:first + self.drafts_per_block]
+
+    def training_hidden(self, target_hidden, blocks: "Blocks", embed: nn.Module) -> torch.Tensor:
+        """All blocks of a batch in one pass: prediction-slot hidden [B, N, drafts, H]."""
+        batch, seq = target_hidden.shape[:2]
+        positions = torch.arange(seq, device=target_hidden.device).expand(batch, seq)
+        kv = self.context_kv(target_hidden, positions)
+        visible = block_visibility(blocks.anchors, seq, self.config.block_size)
+        hidden = self(embed(blocks.input_ids.flatten(1)), blocks.positions.flatten(1), kv, visible)
+        first = self.first_prediction_slot
+        hidden = hidden.view(*blocks.anchors.shape, self.config.block_size, -1)
+        return hidden[:, :, first:first + self.drafts_per_block]
+
+    def sample_blocks(self, input_ids, loss_mask, generator=None, anchors=None) -> "Blocks":
+        if anchors is None:
+            anchors = sample_anchors(loss_mask, self.config.num_anchors, generator)
+        return make_blocks(input_ids, loss_mask, anchors, self.config)
+
+    def loss(self, target_hidden, input_ids, loss_mask, embed: nn.Module,
+             head: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None = None,
+             ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Position-weighted cross-entropy over many random blocks per sequence.
+
+        target_hidden [B, T, n*H_t] (target_layer_ids order), input_ids and loss_mask [B, T].
+        Metrics: conditional greedy accuracy acc_1..acc_{drafts} and tau_est."""
+        blocks = self.sample_blocks(input_ids, loss_mask, generator)
+        logits = head(self.training_hidden(target_hidden, blocks, embed)).float()
+        weights = blocks.label_mask * position_weights(self.drafts_per_block, self.config.gamma, logits.device)
+        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
+        loss = weighted_mean(ce.view_as(weights), weights)
+        metrics = {"ce": float(loss.detach()), **greedy_metrics(logits.argmax(-1), blocks)}
+        return loss, metrics
+
+
+# ---------------------------------------------------------------- training blocks
+
+@dataclass
+class Blocks:
+    """N blocks per sequence; draft j of block i is the token at anchors[:, i] + j."""
+
+    anchors: torch.Tensor  # [B, N] (0 for padding blocks, which carry no labels)
+    input_ids: torch.Tensor  # [B, N, block] anchor token, then MASK
+    positions: torch.Tensor  # [B, N, block] anchor + slot
+    labels: torch.Tensor  # [B, N, drafts]
+    label_mask: torch.Tensor  # [B, N, drafts] float 0/1, a prefix: supervised drafts
+    prev_tokens: torch.Tensor  # [B, N, drafts] the true token before each draft (teacher forcing)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Up to `num_anchors` distinct random anchors per row, sorted; -1 pads short rows.
+
+    An anchor a is a loss-masked position whose next token is loss-masked too, so that
+    its first draft is supervised (in decoding the anchor is always a generated token)."""
+    mask = loss_mask.bool()
+    valid = mask[:, :-1] & mask[:, 1:]
+    device = generator.device if generator is not None else loss_mask.device
+    keys = torch.rand(valid.shape, generator=generator, device=device).to(loss_mask.device)
+    keys = keys.masked_fill(~valid, 2.0)  # invalid positions sort last
+    count = max(1, min(num_anchors, int(valid.sum(1).max()) if valid.numel() else 0))
+    order = keys.argsort(dim=1)[:, :count]
+    taken = torch.gather(valid, 1, order)
+    anchors = torch.where(taken, order, torch.full_like(order, valid.shape[1] + 1)).sort(dim=1).values
+    return anchors.masked_fill(anchors > valid.shape[1], -1)
+
+
+def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, config: DFlashConfig) -> Blocks:
+    """The training blocks of given anchors [B, N] (-1: padding)."""
+    seq = input_ids.shape[1]
+    drafts, size = config.drafts_per_block, config.block_size
+    real = anchors >= 0
+    anchors = anchors.clamp_min(0)
+    slots = torch.arange(size, device=input_ids.device)
+    ids = torch.full((*anchors.shape, size), config.mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[..., 0] = torch.gather(input_ids, 1, anchors)
+    where = anchors[..., None] + torch.arange(1, drafts + 1, device=input_ids.device)  # draft j at a + j
+    inside = where < seq
+    where = where.clamp_max(seq - 1)
+    gather = lambda t: torch.gather(t[:, None, :].expand(-1, anchors.shape[1], -1), 2, where)  # noqa: E731
+    labels = gather(input_ids)
+    # Supervise a prefix only: acceptance stops at the first draft that leaves the data.
+    label_mask = (inside & gather(loss_mask.bool()) & real[..., None]).long().cumprod(-1).float()
+    prev = torch.cat([ids[..., :1], labels[..., :-1]], dim=-1)
+    return Blocks(anchors, ids, anchors[..., None] + slots, labels, label_mask, prev)
+
+
+def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Bool mask [B, 1, N*block, T + N*block] over keys [context; block 0; block 1; ...].
+
+    Query q of block i = q // block sees context key k iff k < anchors[:, i] and block key
+    k iff (k - T) // block == i: the context strictly before its anchor and its own block,
+    nothing of any other block. As a flex-attention mask_mod the same predicate reads
+        lambda b, h, q, k: where(k < T, k < anchors[b, q // B], (k - T) // B == q // B).
+    """
+    queries = anchors.shape[1] * block_size
+    block_of = torch.arange(queries, device=anchors.device) // block_size
+    context = torch.arange(context_len, device=anchors.device) < anchors[:, block_of, None]  # [B, Q, T]
+    own = (block_of[:, None] == block_of[None, :]).expand(anchors.shape[0], -1, -1)
+    return torch.cat([context, own], dim=-1)[:, None]
+
+
+def position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:
+    """exp(-(j - 1)/gamma) for drafts j = 1..num_drafts: later drafts matter less, since
+    they only count when every earlier one was accepted."""
+    return torch.exp(-torch.arange(num_drafts, device=device, dtype=torch.float32) / gamma)
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return (values * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+@torch.no_grad()
+def greedy_metrics(predicted: torch.Tensor, blocks: Blocks) -> dict[str, float]:
+    """acc_k: draft k matches, among supervised blocks whose drafts 1..k-1 all matched (the
+    conditional accuracy), so tau_est = 1 + sum_k prod_{j<=k} acc_j estimates the greedy
+    acceptance length of a full block."""
+    valid = blocks.label_mask.bool()
+    right = (predicted == blocks.labels) & valid
+    prefix = right.long().cumprod(-1).bool()
+    reached = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], dim=-1)
+    metrics, survive, tau = {}, 1.0, 1.0
+    for k in range(predicted.shape[-1]):
+        seen = int(reached[..., k].sum())
+        acc = int(prefix[..., k].sum()) / seen if seen else 0.0
+        metrics[f"acc_{k + 1}"] = acc
+        survive *= acc
+        tau += survive
+    metrics["tau_est"] = tau
+    return metrics
+
+
+# ---------------------------------------------------------------- decoding
+
+class ContextCache:
+    """Per-layer context K/V ([B, KV, T, hd]) of the committed positions that have target
+    hidden states, i.e. every committed token but the last (which is the next anchor)."""
+
+    def __init__(self):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return self.layers[0][0].shape[2] if self.layers else 0
+
+    def crop(self, length: int) -> None:
+        self.layers = [(k[:, :, :length], v[:, :, :length]) for k, v in self.layers]
+
+    def extend(self, drafter: DFlashDrafter, target_hidden: torch.Tensor, start: int) -> None:
+        """Append the context of target features [B, T, n*H_t] at positions start.. (the
+        cache is cropped to `start` first, so a re-sent position replaces the old one)."""
+        self.crop(start)
+        if target_hidden.shape[1] == 0 and self.layers:
+            return
+        positions = torch.arange(start, start + target_hidden.shape[1], device=target_hidden.device)
+        new = drafter.context_kv(target_hidden, positions.expand(target_hidden.shape[0], -1))
+        if not self.layers:
+            self.layers = new
+        else:
+            self.layers = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.layers, new)]
+
+
+def concat_layers(hidden: dict[int, torch.Tensor], layer_ids: list[int]) -> torch.Tensor:
+    """The context features of captured layers, in the drafter's layer order, on the last dim."""
+    missing = [i for i in layer_ids if i not in hidden]
+    if missing:
+        raise DraftsmithError(f"target hidden states of layer(s) {missing} were not captured")
+    return torch.cat([hidden[i] for i in layer_ids], dim=-1)

@@ -1,0 +1,433 @@
+"""EAGLE-3: one decoder layer over a fusion of three target layers, trained with
+training-time test (TTT).
+
+The drafter reads, at each of its positions p, a pair (hidden_p, token x_{p+1}): hidden_p
+is `fc` of the target's three captured layer outputs at p (ascending layer order, the
+order in which SGLang and vLLM capture them) for committed positions, or the drafter's
+own output at the previous step while it drafts. Its one layer (`midlayer`) is
+
+    a   = self_attn(concat(input_layernorm(embed(x_{p+1})), hidden_norm(hidden_p)))  # q, k, v: 2H -> .
+    h   = hidden_p + a                                      # the residual is the unnormalised hidden
+    out = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(out))                             # over the draft vocabulary
+
+`out` (pre-norm) is what the next drafting step takes as its hidden, as in SGLang's
+`llama_eagle3.py`. Draft id i is target id i + d2t[i] (`data/draft_vocab.py`). The
+embedding is the target's, frozen; H therefore equals the target's hidden size.
+
+Module names are the SGLang/vLLM checkpoint names (`midlayer.self_attn.q_proj`, `fc`,
+`norm`, `lm_head`, `d2t`, `t2d`), so export is a copy without renaming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.native import (
+    config_from_dict, load_native_weights, load_state_strict, read_native_meta, save_native,
+)
+from draftsmith.models.target import target_shape
+
+METHOD = "eagle3"
+NUM_FUSED_LAYERS = 3  # SGLang and vLLM build fc as Linear(3 * target_hidden_size, hidden_size)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """The reference choice [1, N//2 - 1, N - 4] (outputs of those layers, 0-based).
+
+    Below 7 layers it collides, so tiny targets take the lowest, a middle and the
+    second-to-last layer. Never the last layer: the engines capture a layer's output at
+    the next layer's input, so the last layer's output is not available to them.
+    """
+    if num_layers >= 7:
+        return [1, num_layers // 2 - 1, num_layers - 4]
+    if num_layers >= 4:
+        return [0, (num_layers - 2) // 2, num_layers - 2]
+    raise DraftsmithError(f"EAGLE-3 needs a target of at least 4 decoder layers, this one has {num_layers}")
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_layer_ids: list[int] = field(default_factory=list)  # output-of-layer ids, 0-based, ascending
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    ttt_length: int = 7
+    ttt_decay: float = 0.8
+
+    def __post_init__(self):
+        ids = sorted(int(i) for i in self.target_layer_ids)
+        if len(set(ids)) != NUM_FUSED_LAYERS or ids[0] < 0:
+            raise DraftsmithError(
+                f"EAGLE-3 target_layer_ids must be {NUM_FUSED_LAYERS} distinct layer ids >= 0, got {self.target_layer_ids}"
+            )
+        self.target_layer_ids = ids  # engines concatenate in ascending layer order whatever the list says
+        if self.hidden_size != self.target_hidden_size:
+            raise DraftsmithError(
+                f"EAGLE-3 hidden_size {self.hidden_size} must equal the target's {self.target_hidden_size}: "
+                "the drafter shares the target's embedding"
+            )
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise DraftsmithError(
+                f"draft vocabulary of {self.draft_vocab_size} tokens does not fit the target vocabulary of {self.vocab_size}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise DraftsmithError(f"EAGLE-3 num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.ttt_length < 1 or not 0.0 < self.ttt_decay <= 1.0:
+            raise DraftsmithError(
+                f"EAGLE-3 ttt_length must be >= 1 and ttt_decay in (0, 1], got {self.ttt_length} and {self.ttt_decay}"
+            )
+
+    @classmethod
+    def from_target(cls, target, **overrides) -> "Eagle3Config":
+        """A drafter as wide as the target (model or config); fields may be overridden."""
+        config = getattr(target, "config", target)
+        shape = target_shape(config)
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise DraftsmithError(f"EAGLE-3 config: unknown key(s) {', '.join(unknown)}")
+        rope = getattr(config, "rope_parameters", None) or {}
+        fields = dict(
+            hidden_size=shape.hidden_size,
+            target_hidden_size=shape.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=shape.vocab_size,
+            draft_vocab_size=min(shape.vocab_size, 32000),  # the usual size for 128k-152k vocabularies
+            target_layer_ids=default_layer_ids(shape.num_layers),
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        fields.update(overrides)
+        made = cls(**fields)
+        check_target_fits(made, config)
+        return made
+
+    def llama_config(self) -> LlamaConfig:
+        """The transformers config of the building blocks we reuse (and of the export)."""
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_heads, num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size,
+            num_hidden_layers=1, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        )
+
+
+def check_target_fits(config: Eagle3Config, target) -> None:
+    """One-line errors when a drafter cannot run against this target (model or config)."""
+    shape = target_shape(getattr(target, "config", target))
+    last = shape.num_layers - 2
+    bad = [i for i in config.target_layer_ids if i > last]
+    if bad:
+        raise DraftsmithError(
+            f"EAGLE-3 target layer ids {config.target_layer_ids}: the target has {shape.num_layers} layers, so ids "
+            f"must be in 0..{last} (engines read a layer's output at the next layer's input; {bad} cannot be captured)"
+        )
+    if (shape.vocab_size, shape.hidden_size) != (config.vocab_size, config.target_hidden_size):
+        raise DraftsmithError(
+            f"EAGLE-3 drafter expects a target with vocabulary {config.vocab_size} and hidden size "
+            f"{config.target_hidden_size}, this target has {shape.vocab_size} and {shape.hidden_size}"
+        )
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H-wide concat and whose o_proj writes H."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q [B, heads, Q, d] and k, v [B, kv_heads, Q, d]."""
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+
+class Eagle3Layer(nn.Module):
+    """The `midlayer`; split around the attention core so training (TTT) and cached
+    decoding share every projection and differ only in which keys a query sees."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        blocks = c.llama_config()
+        self.self_attn = Eagle3Attention(c)
+        self.mlp = LlamaMLP(blocks)
+        self.hidden_norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def attention_inputs(self, embeds, hidden, cos, sin):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        return self.self_attn.project(x, cos, sin)
+
+    def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        h = hidden + self.self_attn.o_proj(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def attend(q, k, v, visible, own_k=(), own_v=()) -> torch.Tensor:
+    """Softmax attention of q [B, h, Q, d] over keys k/v [B, kv, L, d] where `visible`
+    [B or 1, 1, Q, L] (bool) is True, plus, for TTT, one extra key per earlier unrolled
+    step at the query's own index (`own_k[j]` [B, kv, Q, d], always visible).
+    Returns [B, Q, h * d]."""
+    groups = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    keys, values = repeat_kv(k, groups), repeat_kv(v, groups)
+    scores = [torch.matmul(q, keys.transpose(2, 3)).mul_(scale).masked_fill_(~visible, float("-inf"))]
+    scores += [(q * repeat_kv(kj, groups)).sum(-1, keepdim=True).mul_(scale) for kj in own_k]
+    probs = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+    length = keys.shape[2]
+    out = torch.matmul(probs[..., :length], values)
+    for j, vj in enumerate(own_v):
+        out = out + probs[..., length + j : length + j + 1] * repeat_kv(vj, groups)
+    return out.transpose(1, 2).flatten(2)
+
+
+class DraftKV:
+    """The drafter's own KV cache for one batch of sequences: [B, kv_heads, L, head_dim]."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        return self.keys, self.values
+
+    def crop(self, keep: int) -> None:
+        if keep < len(self):
+            self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        self.config = c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's; set by copy_target_embedding
+        self.fc = nn.Linear(NUM_FUSED_LAYERS * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())
+        # Until a vocabulary is built: the first draft_vocab_size target ids.
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
+
+    @classmethod
+    def from_target(cls, target: nn.Module, **overrides) -> "Eagle3Drafter":
+        """A fresh drafter for `target`, its embedding copied in, on the target's device."""
+        drafter = cls(Eagle3Config.from_target(target, **overrides))
+        param = next(target.parameters())
+        return drafter.to(param.device).copy_target_embedding(target)
+
+    def copy_target_embedding(self, target: nn.Module) -> "Eagle3Drafter":
+        check_target_fits(self.config, target)
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        return self
+
+    def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a vocabulary from `data.draft_vocab.build_draft_vocab`, checked for consistency."""
+        d2t, t2d = torch.as_tensor(d2t, dtype=torch.long), torch.as_tensor(t2d, dtype=torch.bool)
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise DraftsmithError(
+                f"draft vocabulary maps of sizes {d2t.numel()}/{t2d.numel()} do not fit "
+                f"draft vocabulary {self.d2t.numel()} / target vocabulary {self.t2d.numel()}"
+            )
+        ids = torch.arange(d2t.numel()) + d2t
+        if not torch.equal(t2d.nonzero().flatten(), ids):
+            raise DraftsmithError("draft vocabulary maps disagree: t2d must be True exactly at i + d2t[i], increasing")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target id of every draft id: [draft_vocab]."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    # ---- pieces shared by training and decoding ---------------------------------------
+
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """[.., 3 * H_t] (captured layers concatenated in ascending id order) -> [.., H]."""
+        return self.fc(target_hidden.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of drafter outputs."""
+        return self.lm_head(self.norm(hidden))
+
+    def step(self, input_ids, hidden, positions, cache: DraftKV, visible=None) -> torch.Tensor:
+        """A cached forward over Q new entries; returns their outputs [B, Q, H] (pre-norm).
+
+        input_ids [B, Q]: each entry's token (x_{p+1} for position p); hidden [B, Q, H]:
+        `fuse`d target features or the drafter's own earlier outputs; positions [B, Q];
+        visible [Q, len(cache) + Q] bool, default causal. The new keys join `cache`.
+        """
+        cos, sin = self.rotary_emb(hidden, positions)
+        q, k, v = self.midlayer.attention_inputs(self.embed_tokens(input_ids), hidden, cos, sin)
+        keys, values = cache.append(k, v)
+        if visible is None:
+            past, new = keys.shape[2] - q.shape[2], q.shape[2]
+            visible = torch.ones(new, past + new, dtype=torch.bool, device=q.device).tril_(past)
+        return self.midlayer.finish(hidden, attend(q, keys, values, visible[None, None]))
+
+    # ---- training-time test ------------------------------------------------------------
+
+    def ttt_logits(self, target_hidden, input_ids, attention_mask=None) -> list[torch.Tensor]:
+        """Draft logits [B, T, V_d] of every unrolled step; see `loss` for the alignment."""
+        batch, length = input_ids.shape
+        device = input_ids.device
+        hidden = self.fuse(target_hidden)
+        positions = torch.arange(length, device=device).expand(batch, length)
+        visible = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+        if attention_mask is not None:  # padded keys are hidden; a query always sees itself
+            eye = torch.eye(length, dtype=torch.bool, device=device)
+            visible = visible & (attention_mask.bool()[:, None, :] | eye)
+        visible = visible.expand(batch, length, length)[:, None]
+        k0 = v0 = None
+        own_k, own_v, steps = [], [], []
+        for i in range(self.config.ttt_length):
+            tokens = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # x_{t+1+i}; 0 where past the end (masked)
+            cos, sin = self.rotary_emb(hidden, positions + i)
+            q, k, v = self.midlayer.attention_inputs(self.embed_tokens(tokens), hidden, cos, sin)
+            if i == 0:
+                k0, v0 = k, v
+            else:
+                own_k.append(k)
+                own_v.append(v)
+            hidden = self.midlayer.finish(hidden, attend(q, k0, v0, visible, own_k, own_v))
+            steps.append(self.logits(hidden))
+        return steps
+
+    def loss(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None):
+        """TTT loss over `ttt_length` unrolled steps -> (loss, metrics).
+
+        Inputs all come from one target forward over `input_ids` [B, T]: target_hidden
+        [B, T, 3 * H_t], target_logits [B, T, V]; loss_mask [B, T] marks the tokens to
+        learn to predict (assistant tokens); attention_mask [B, T] marks real tokens
+        (right padding: positions are 0..T-1).
+
+        Alignment. Drafter index t, step i (0-based) is the i-th draft of a chain whose
+        committed context ends at position t: it reads (hidden, token x_{t+1+i}) at RoPE
+        position t + i, where hidden is fc(target features at t) for i = 0 and the step
+        i-1 output at t otherwise, and it is trained against target_logits[t + 1 + i],
+        the target's distribution for token x_{t+2+i}, where loss_mask[t + 2 + i] is set.
+        It attends to the step-0 keys of positions <= t (the committed context) and to
+        the keys of steps 1..i at index t (its own chain): exactly the keys chain drafting
+        sees at decode time, so training and decoding compute the same function. The
+        reference (SafeAILab EAGLE-3, SpecForge) also hides step-0 keys t-i+1..t from step
+        i (SafeAILab/EAGLE#247); we do not, since decoding never hides them.
+
+        Loss: soft cross-entropy to the target distribution restricted to the draft
+        vocabulary and renormalised, averaged over positions whose target argmax has a
+        draft id (others cannot be matched; the reference drops them too), summed as
+        sum_i ttt_decay**i * loss_i. Metrics: loss_k, acc_k (k = i + 1: draft argmax ==
+        target argmax over all masked positions, so an argmax outside the draft
+        vocabulary counts as a miss, as in SpecForge), tau_est = 1 + sum_k prod_{j<=k}
+        acc_j, and vocab_coverage (masked positions whose target argmax has a draft id).
+        """
+        length = input_ids.shape[1]
+        steps = self.ttt_logits(target_hidden, input_ids, attention_mask)
+        draft_ids = self.draft_to_target
+        target_top = target_logits.argmax(-1)
+        learn = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
+        total = target_hidden.new_zeros((), dtype=torch.float32)
+        step_losses, step_accs = [], []
+        for i, logits in enumerate(steps):
+            n = max(length - 2 - i, 0)  # indices t whose label x_{t+2+i} is inside the sequence
+            mask = learn[:, 2 + i : 2 + i + n]
+            top = target_top[:, 1 + i : 1 + i + n]
+            reachable = mask & self.t2d[top]
+            teacher = target_logits[:, 1 + i : 1 + i + n, draft_ids].float().softmax(-1)
+            pred = logits[:, :n].float()
+            ce = -(teacher * pred.log_softmax(-1)).sum(-1)
+            step_loss = (ce * reachable).sum() / reachable.sum().clamp(min=1)
+            total = total + self.config.ttt_decay**i * step_loss
+            step_losses.append(step_loss.detach())
+            hits = (draft_ids[pred.argmax(-1)] == top) & mask
+            step_accs.append(hits.sum() / mask.sum().clamp(min=1))
+        first = learn[:, 2:]
+        coverage = (first & self.t2d[target_top[:, 1:-1]]).sum() / first.sum().clamp(min=1)
+        values = torch.stack(step_losses + step_accs + [coverage]).tolist()  # one device sync
+        k = len(steps)
+        metrics = {f"loss_{j + 1}": values[j] for j in range(k)}
+        metrics.update({f"acc_{j + 1}": values[k + j] for j in range(k)})
+        metrics["tau_est"] = tau_estimate(values[k : 2 * k])
+        metrics["vocab_coverage"] = values[-1]
+        return total, metrics
+
+
+def tau_estimate(accs: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the expected accepted length of a greedy chain."""
+    tau, run = 1.0, 1.0
+    for acc in accs:
+        run *= acc
+        tau += run
+    return tau
+
+
+# ---- native format -----------------------------------------------------------------------
+
+
+def save_eagle3(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
+    """Native format; the embedding is the target's and is not stored."""
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}
+    return save_native(out_dir, METHOD, drafter.config, state, extra)
+
+
+def load_eagle3(path: str | Path, target: nn.Module) -> Eagle3Drafter:
+    """A native EAGLE-3 drafter, on the target's device, embedding copied from `target`."""
+    meta = read_native_meta(path, expect_method=METHOD)
+    config = config_from_dict(Eagle3Config, meta["config"], source=f"{path}/config.json")
+    return drafter_from_state(config, load_native_weights(path), target, source=str(path))
+
+
+def drafter_from_state(config: Eagle3Config, state: dict, target: nn.Module, source: str) -> Eagle3Drafter:
+    """Build a drafter from stored weights (no embedding) in their dtype, for `target`."""
+    check_target_fits(config, target)
+    drafter = Eagle3Drafter(config)
+    if "fc.weight" in state:
+        drafter.to(state["fc.weight"].dtype)
+    # The embedding is not stored: a stand-in passes the strict check, the target's replaces it.
+    load_state_strict(drafter, {**state, "embed_tokens.weight": drafter.embed_tokens.weight}, source=source)
+    drafter.set_draft_vocab(drafter.d2t.clone(), drafter.t2d.clone())  # refuse inconsistent maps
+    return drafter.to(next(target.parameters()).device).copy_target_embedding(target).eval()

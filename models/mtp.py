@@ -1,0 +1,142 @@
+"""DeepSeek-V3-style multi-token prediction (MTP) modules, trained jointly with the target.
+
+Depth k (1-based) at sequence position i reads the previous depth's hidden state h^{k-1}_i
+(h^0 = the target's last decoder layer output, pre-norm) and the embedding of token
+t_{i+k}, and predicts t_{i+k+1}:
+
+    h'  = eh_proj(concat(enorm(emb(t_{i+k})), hnorm(h^{k-1}_i)))    # embedding first
+    h^k = block(h')                                                  # one causal decoder layer
+    logits = head(shared_head.norm(h^k))                             # the target's head, shared
+
+The block is the target's own decoder-layer class, so the MTP modules load into any
+engine that builds them from the target's config. The embedding and output head are the
+target's (shared, never copied).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from draftsmith.models.target import cache_kwarg, decoder_layers
+
+
+@dataclass
+class MTPConfig:
+    num_depths: int = 2  # K
+    # Joint loss L_main + lambda/K * sum_k L_k; DeepSeek-V3 used 0.3 for the first ~2/3 of
+    # training, then 0.1.
+    lambda_early: float = 0.3
+    lambda_late: float = 0.1
+    lambda_switch: float = 0.67  # fraction of max_steps at which lambda drops
+
+
+class RMSNorm(nn.Module):
+    """The Llama/Qwen/DeepSeek RMSNorm (computed in float32, as they do)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class SharedHead(nn.Module):
+    """DeepSeek's `shared_head`: its own norm; the head itself is the target's."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, target_config, layer_class: type, layer_idx: int):
+        super().__init__()
+        hidden, eps = target_config.hidden_size, target_config.rms_norm_eps
+        self.enorm = RMSNorm(hidden, eps)
+        self.hnorm = RMSNorm(hidden, eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = layer_class(target_config, layer_idx=layer_idx)
+        self.shared_head = SharedHead(hidden, eps)
+
+    def fuse(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+
+    def forward(self, embeds, prev_hidden, position_embeddings, attention_mask=None, cache=None,
+                position_ids=None) -> torch.Tensor:
+        x = self.fuse(embeds, prev_hidden)
+        kwargs = {"position_embeddings": position_embeddings, "attention_mask": attention_mask,
+                  "position_ids": position_ids}
+        if cache is not None:
+            kwargs[cache_kwarg(self.block)] = cache
+            kwargs["use_cache"] = True
+        out = self.block(x, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class MTPHeads(nn.Module):
+    """K MTP layers for a given target. Layer k-1 serves depth k; the block's layer index
+    continues the target's numbering (as DeepSeek-V3 stores them after the main layers)."""
+
+    def __init__(self, target_config, num_depths: int, layer_class: type):
+        super().__init__()
+        n = target_config.num_hidden_layers
+        self.layers = nn.ModuleList(
+            MTPLayer(target_config, layer_class, layer_idx=n + k) for k in range(num_depths)
+        )
+
+    @classmethod
+    def for_target(cls, target: nn.Module, num_depths: int) -> "MTPHeads":
+        heads = cls(target.config, num_depths, type(decoder_layers(target)[0]))
+        dtype = next(target.parameters()).dtype
+        return heads.to(dtype)
+
+    @property
+    def num_depths(self) -> int:
+        return len(self.layers)
+
+
+def mtp_forward(heads: MTPHeads, target: nn.Module, input_ids: torch.Tensor,
+                last_hidden: torch.Tensor) -> list[torch.Tensor]:
+    """Training forward over whole sequences: the logits of every depth.
+
+    `last_hidden` is h^0, the target's last decoder layer output (pre-norm), [B, T, H].
+    Depth k returns logits [B, T - k, V] whose position i predicts input_ids[:, i + k + 1]
+    (the last position has no label inside the sequence and is dropped by the loss).
+    """
+    base = target.model
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    seq = input_ids.shape[1]
+    prev = last_hidden
+    logits = []
+    for k, layer in enumerate(heads.layers, start=1):
+        length = seq - k
+        positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
+        rope = base.rotary_emb(prev, positions)
+        hidden = layer(embed(input_ids[:, k:]), prev[:, :length], rope, position_ids=positions)
+        logits.append(head(layer.shared_head.norm(hidden)))
+        prev = hidden
+    return logits
+
+
+def mtp_losses(depth_logits: list[torch.Tensor], input_ids: torch.Tensor,
+               loss_mask: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[float]]:
+    """Per-depth cross-entropy and top-1 accuracy against the true future tokens."""
+    losses, accs = [], []
+    for k, logits in enumerate(depth_logits, start=1):
+        pred = logits[:, :-1]
+        labels = input_ids[:, k + 1:]
+        mask = torch.ones_like(labels, dtype=torch.bool) if loss_mask is None else loss_mask[:, k + 1:].bool()
+        flat = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="none")
+        denom = mask.sum().clamp(min=1)
+        losses.append((flat * mask.flatten()).sum() / denom)
+        accs.append(((pred.argmax(-1) == labels) & mask).sum().item() / denom.item())
+    return losses, accs

@@ -1,0 +1,90 @@
+"""MTP modules: a hand-written reference computation, and the DeepSeek-style save/load."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from draftsmith.models.export import load_mtp, mtp_deepseek_names, save_mtp
+from draftsmith.models.mtp import MTPConfig, MTPHeads, mtp_forward
+from draftsmith.models.target import build_tiny_target, target_forward
+
+
+def rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x, positions, theta):
+    # x: [heads, T, d]; rotate-half convention of Llama/Qwen.
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = positions[:, None].float() * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+def reference_depth1(layer, target, ids, h0):
+    """Depth 1 written out by hand from DESIGN.md section 7 (one sequence)."""
+    cfg = target.config
+    eps, H = cfg.rms_norm_eps, cfg.hidden_size
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = H // heads
+    emb = target.get_input_embeddings().weight[ids[1:]]  # t_{i+1}
+    prev = h0[:-1]
+    x = torch.cat([rms(emb, layer.enorm.weight, eps), rms(prev, layer.hnorm.weight, eps)], -1)
+    x = x @ layer.eh_proj.weight.T
+    b = layer.block
+    T = x.shape[0]
+    pos = torch.arange(T)
+    n = rms(x, b.input_layernorm.weight, eps)
+    q = (n @ b.self_attn.q_proj.weight.T).view(T, heads, d).transpose(0, 1)
+    k = (n @ b.self_attn.k_proj.weight.T).view(T, kv, d).transpose(0, 1)
+    v = (n @ b.self_attn.v_proj.weight.T).view(T, kv, d).transpose(0, 1)
+    q, k = rope(q, pos, cfg.rope_parameters["rope_theta"]), rope(k, pos, cfg.rope_parameters["rope_theta"])
+    k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, H)
+    x = x + attn @ b.self_attn.o_proj.weight.T
+    n = rms(x, b.post_attention_layernorm.weight, eps)
+    mlp = (F.silu(n @ b.mlp.gate_proj.weight.T) * (n @ b.mlp.up_proj.weight.T)) @ b.mlp.down_proj.weight.T
+    x = x + mlp
+    return rms(x, layer.shared_head.norm.weight, eps) @ target.get_output_embeddings().weight.T
+
+
+def _randomise(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+
+
+def test_depth1_matches_hand_written_reference():
+    target = build_tiny_target(vocab_size=97, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
+    heads = MTPHeads.for_target(target, 2)
+    _randomise(heads)  # norms start at 1: perturb them so the test sees every weight
+    ids = torch.randint(0, 97, (1, 12))
+    h0 = target_forward(target, ids, capture=[1]).hidden[1]
+    ours = mtp_forward(heads, target, ids, h0)[0][0]
+    ref = reference_depth1(heads.layers[0], target, ids[0], h0[0])
+    assert ours.shape == ref.shape == (11, 97)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_save_uses_deepseek_names_and_reloads(tmp_path):
+    target = build_tiny_target(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4)
+    heads = MTPHeads.for_target(target, 2)
+    _randomise(heads)
+    save_mtp(heads, MTPConfig(num_depths=2), tmp_path)
+    names = set(mtp_deepseek_names(heads.state_dict()))
+    for k in (0, 1):
+        for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                     "self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
+            assert f"layers.{k}.{part}" in names
+    assert not any("block" in n or "embed_tokens" in n for n in names)
+    loaded, config = load_mtp(tmp_path, target)
+    assert config.num_depths == 2
+    ids = torch.randint(0, 64, (1, 9))
+    h0 = target_forward(target, ids, capture=[1]).hidden[1]
+    for a, b in zip(mtp_forward(heads, target, ids, h0), mtp_forward(loaded, target, ids, h0)):
+        assert torch.equal(a, b)

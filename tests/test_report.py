@@ -1,0 +1,112 @@
+import copy
+import json
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval import report
+from draftsmith.eval.report import format_table, speedup_bound, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def drafter(name, num_draft, tau, t_draft, t_verify, speedup, extra=None):
+    accept = [round(0.9 ** (k + 1), 4) for k in range(num_draft)]
+    hist = [5 * (i + 1) for i in range(num_draft + 1)]
+    entry = {
+        "name": name, "spec": f"runs/{name}", "num_draft": num_draft, "tau": tau,
+        "verify_passes": sum(hist), "committed_tokens": round(tau * sum(hist)),
+        "per_position_acceptance": accept, "accepted_length_hist": hist,
+        "tokens_per_s": 40.0 * speedup, "speedup": speedup,
+        "bound": speedup_bound(tau, 25.0, t_draft, t_verify),
+        "T_draft_ms": t_draft, "T_verify_ms": t_verify,
+    }
+    if extra is not None:
+        entry["extra"] = extra
+    return entry
+
+
+@pytest.fixture
+def results():
+    return {
+        "target": {"path": "runs/tiny-target", "H": 8, "KV": 1, "G": 8, "tile": 128, "D": 15},
+        "settings": {"dataset": "mt-bench.jsonl", "num_prompts": 4, "max_new_tokens": 64,
+                     "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0},
+        "baseline": {"tokens_per_s": 40.0, "T_target_ms": 25.0},
+        "drafters": [
+            drafter("eagle3", 3, 2.5, 4.0, 30.0, 1.6),
+            drafter("dspark", 5, 3.25, 3.0, 31.0, 2.1, extra={"early_stop_rate": 0.125}),
+        ],
+        "prompts": [{"prompt_ids": [1, 2, 3], "outputs": {"baseline": [4, 5], "eagle3": [4, 5], "dspark": [4, 5]}}],
+    }
+
+
+def test_speedup_bound():
+    assert speedup_bound(tau=3.0, t_target=20.0, t_draft=5.0, t_verify=25.0) == pytest.approx(2.0)
+    assert speedup_bound(1.0, 20.0, 0.0, 20.0) == pytest.approx(1.0)  # plain decoding
+    with pytest.raises(DraftsmithError, match="must be positive"):
+        speedup_bound(2.0, 20.0, 0.0, 0.0)
+
+
+def test_writes_json_md_and_plots(results, tmp_path):
+    out = write_report(results, tmp_path / "report")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["report.json", "report.md", *report.PLOTS])
+    assert json.loads((out / "report.json").read_text()) == results
+
+    md = (out / "report.md").read_text()
+    assert "H = 8 query heads, KV = 1 KV heads, G = 8" in md and "D = 15" in md
+    assert "tau counts the bonus token" in md and "gpt-fast print tau - 1" in md
+    assert "| mt-bench.jsonl | 4 | 64 | 0.0 | 0 | 1.0 | 0 |" in md
+    # bound = tau * T_target / (T_draft + T_verify) = 2.5 * 25 / 34
+    assert "| eagle3 | 3 | 2.50 | 64.0 | 1.60x | 1.84x | 4.00 | 30.00 | - |" in md
+    assert "| dspark | 5 | 3.25 | 84.0 | 2.10x | 2.39x | 3.00 | 31.00 | 0.125 |" in md
+    assert "early stop rate" in md
+    assert "| 4 | - | 0.656 |" in md  # position 4: past eagle3's D, dspark's 0.9**4
+    for png in report.PLOTS:
+        assert f"]({png})" in md
+        data = (out / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_format_table_for_the_terminal(results):
+    table = format_table(results).splitlines()
+    assert table[0].startswith("| drafter | D | tau | tokens/s | speedup | bound | T_draft ms | T_verify ms |")
+    assert table[2].startswith("| plain decoding | 0 | 1.00 | 40.0 | 1.00x |")
+    assert len(table) == 2 + 1 + 2
+
+
+def test_missing_key_leaves_nothing_behind(results, tmp_path):
+    del results["drafters"][1]["tau"]
+    with pytest.raises(DraftsmithError, match=r"results have no drafters\[1\]\.tau"):
+        write_report(results, tmp_path / "report")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_while_plotting_keeps_the_previous_report(results, tmp_path, monkeypatch):
+    out = write_report(results, tmp_path / "report")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(report, "_plot_accepted_lengths", broken)
+    changed = copy.deepcopy(results)
+    changed["settings"]["seed"] = 1
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_report(changed, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]  # no temporary folder left
+
+
+def test_bound_from_another_convention_is_refused(results, tmp_path):
+    d = results["drafters"][0]
+    d["bound"] = speedup_bound(d["tau"] - 1, 25.0, d["T_draft_ms"], d["T_verify_ms"])
+    with pytest.raises(DraftsmithError, match=r"drafters\[0\]\.bound"):
+        write_report(results, tmp_path / "report")
+    assert not (tmp_path / "report").exists()
+
+
+def test_lengths_must_match_num_draft(results):
+    results["drafters"][0]["accepted_length_hist"].pop()
+    with pytest.raises(DraftsmithError, match=r"drafters\[0\] \(eagle3\).*num_draft 3"):
+        format_table(results)

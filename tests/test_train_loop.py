@@ -1,0 +1,158 @@
+"""The one training loop, exercised through the MTP and draft-LM methods on tiny runs."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.export import load_mtp
+from draftsmith.train import loop
+from draftsmith.train.loop import latest_checkpoint, train
+from tiny_runs import ROOT, overrides, tiny_recipe
+
+
+def history(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir):
+    return [(r["step"], r["train/loss"]) for r in history(run_dir) if "train/loss" in r]
+
+
+def test_mtp_loss_falls_and_depth_accuracy_beats_unigram(tmp_path):
+    run = tmp_path / "run"
+    recipe = tiny_recipe("mtp", run, train__max_steps=60, train__batch_size=8, train__seq_len=64,
+                         train__eval_every=30, train__eval_batches=4)
+    train(recipe)
+    rows = history(run)
+    val = [r for r in rows if "val/loss" in r]
+    assert val[-1]["val/loss"] < val[0]["val/loss"] - 0.5
+    first = next(r for r in rows if "train/loss" in r)["train/loss"]
+    assert rows[-1]["step"] == 60 and val[-1]["val/loss"] < first
+    # Unigram baseline: always predicting the most frequent validation token.
+    from transformers import AutoTokenizer
+    from draftsmith.train.data_setup import packed_corpus
+
+    tok = AutoTokenizer.from_pretrained(run / "model")
+    ids = packed_corpus(recipe, tok, "validation")[:]["input_ids"].flatten().tolist()
+    unigram = Counter(ids).most_common(1)[0][1] / len(ids)
+    for k in (1, 2):
+        assert val[-1][f"val/acc_mtp_{k}"] > unigram, (k, val[-1], unigram)
+    # The saved target is a plain HF causal LM; the MTP heads load beside it.
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(run / "model")
+    assert target.config.num_hidden_layers == 2 and target.config.num_key_value_heads == 1
+    heads, config = load_mtp(run / "model", target)
+    assert config.num_depths == 2 and heads.num_depths == 2
+    assert (run / "recipe.yaml").read_text().count("output_dir") == 1
+
+
+def test_resume_reproduces_the_uninterrupted_trajectory(tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train(tiny_recipe("mtp", straight, train__save_every=3))
+    expected = train_losses(straight)
+
+    broken = tmp_path / "broken"
+    from draftsmith.train import method_mtp
+
+    calls = {"n": 0}
+    real_loss = method_mtp.Method.loss
+
+    def dying_loss(self, model, batch, step):
+        calls["n"] += 1
+        if calls["n"] == 6:  # in step 5, after the checkpoint at step 3 and a logged step 4
+            raise KeyboardInterrupt
+        return real_loss(self, model, batch, step)
+
+    monkeypatch.setattr(method_mtp.Method, "loss", dying_loss)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100))
+    monkeypatch.setattr(method_mtp.Method, "loss", real_loss)
+    assert latest_checkpoint(broken).name == "step-0000003"
+    assert not list((broken / "checkpoints").glob(".tmp*"))
+    train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100, train__resume=True))
+    resumed = train_losses(broken)
+    assert [s for s, _ in resumed] == list(range(1, 9))
+    for (s1, a), (s2, b) in zip(expected, resumed):
+        assert s1 == s2 and a == pytest.approx(b, rel=1e-5, abs=1e-6)
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(tmp_path):
+    one = tmp_path / "b4"
+    four = tmp_path / "b1x4"
+    common = dict(train__max_steps=3, train__eval_every=100, train__save_every=100)
+    train(tiny_recipe("mtp", one, train__batch_size=4, train__grad_accum=1, **common))
+    train(tiny_recipe("mtp", four, train__batch_size=1, train__grad_accum=4, **common))
+    for (_, a), (_, b) in zip(train_losses(one), train_losses(four)):
+        assert a == pytest.approx(b, rel=1e-4)
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(one / "model" / "model.safetensors"), load_file(four / "model" / "model.safetensors")
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=2e-5, rtol=1e-4)
+
+
+def test_draft_lm_trains_on_the_targets_tokenizer_with_distillation(tmp_path):
+    target_run = tmp_path / "target"
+    train(tiny_recipe("mtp", target_run, train__max_steps=2, train__eval_every=100))
+    draft = tmp_path / "draft"
+    train(tiny_recipe("draft_lm", draft, target__path=str(target_run), train__max_steps=10,
+                      method__hidden_size=32, method__num_heads=2, method__num_layers=1))
+    rows = history(draft)
+    val = [r for r in rows if "val/loss" in r]
+    assert "train/kl_target" in rows[0] and val[-1]["val/loss"] < val[0]["val/loss"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(draft / "model")
+    assert model.config.vocab_size == len(AutoTokenizer.from_pretrained(target_run / "model"))
+    assert model.config.hidden_size == 32
+
+
+def test_bad_input_gets_one_line_and_leaves_nothing_half_written(tmp_path):
+    with pytest.raises(DraftsmithError, match="holds no checkpoint"):
+        train(tiny_recipe("mtp", tmp_path / "fresh", train__resume=True))
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(DraftsmithError, match="is not writable"):
+        train(tiny_recipe("mtp", blocker / "run"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DraftsmithError, match="empty"):
+        train(tiny_recipe("mtp", tmp_path / "e", data__dataset=str(empty), data__tokenizer=""))
+    with pytest.raises(DraftsmithError, match="distill_weight > 0 needs target.path"):
+        train(tiny_recipe("draft_lm", tmp_path / "d", target__path=""))
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    real = loop.save_checkpoint
+
+    def failing(accelerator, out_dir, step, keep):
+        if step == 8:
+            accelerator.save_state = lambda path: (_ for _ in ()).throw(OSError("disk full"))
+        return real(accelerator, out_dir, step, keep)
+
+    monkeypatch.setattr(loop, "save_checkpoint", failing)
+    with pytest.raises(OSError):
+        train(tiny_recipe("mtp", run))
+    assert latest_checkpoint(run).name == "step-0000004"
+    assert not (run / "model").exists()
+
+
+def test_accelerate_launch_runs_the_module_entry(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "recipes/accelerate/cpu.yaml"), "-m", "draftsmith.train",
+           str(ROOT / "recipes/tiny/mtp.yaml"), *overrides(run, train__max_steps=2)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (run / "model" / "config.json").is_file() and (run / "model" / "mtp" / "model.safetensors").is_file()
+    bad = subprocess.run([sys.executable, "-m", "draftsmith.train", str(ROOT / "recipes/tiny/mtp.yaml"),
+                          "train.bogus=1"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("train.bogus: unknown key (known: " +
+                                                               bad.stderr.split("(known: ")[1].strip())

@@ -1,0 +1,27 @@
+"""Overrides that shrink any recipe to a run of a few seconds on one CPU core."""
+
+from pathlib import Path
+
+from draftsmith.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY_TARGET = {
+    "target.num_layers": 2, "target.hidden_size": 64, "target.num_heads": 4, "target.num_kv_heads": 1,
+    "data.vocab_size": 384, "data.max_chars": 120_000,
+}
+TINY_TRAIN = {
+    "train.max_steps": 8, "train.batch_size": 4, "train.seq_len": 32, "train.lr": 3e-3,
+    "train.log_every": 1, "train.eval_every": 4, "train.eval_batches": 2, "train.save_every": 4,
+    "tracking.report_to": "none",
+}
+
+
+def overrides(out_dir, **extra) -> list[str]:
+    values = {**TINY_TARGET, **TINY_TRAIN, "train.output_dir": str(out_dir)}
+    values.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def tiny_recipe(name: str, out_dir, **extra):
+    return load_recipe(ROOT / "recipes" / "tiny" / f"{name}.yaml", overrides(out_dir, **extra))

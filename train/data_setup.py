@@ -1,0 +1,64 @@
+"""Tokenizer and corpus for the pretraining methods (MTP, draft LM).
+
+The embedded default trains a tokenizer on the stdlib corpus's train part; a run against
+an existing target uses that target's tokenizer, so drafts and target share ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.recipe import Recipe
+
+
+def resolve_model_dir(path: str | Path) -> Path | str:
+    """A training run folder stands for the model it wrote (RUN/model)."""
+    local = Path(path)
+    if (local / "model" / "config.json").is_file():
+        return local / "model"
+    return path if not local.exists() else local
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    source = recipe.data.tokenizer or (resolve_model_dir(recipe.target.path) if recipe.target.path else "")
+    if source:
+        try:
+            return AutoTokenizer.from_pretrained(str(source))
+        except (OSError, ValueError) as exc:
+            raise DraftsmithError(f"cannot load tokenizer from {source}: {str(exc).splitlines()[0]}") from None
+    from draftsmith.data.corpus import load_embedded_corpus
+    from draftsmith.data.tokenizer import train_tokenizer
+
+    return train_tokenizer(load_embedded_corpus("train", max_chars=recipe.data.max_chars or None),
+                           vocab_size=recipe.data.vocab_size)
+
+
+def corpus_texts(recipe: Recipe, split: str) -> list[str]:
+    from draftsmith.data.corpus import load_embedded_corpus, load_text_dataset
+
+    data = recipe.data
+    if data.dataset == "embedded":
+        limit = data.max_chars or None
+        if split != "train" and limit:
+            limit = max(limit // 10, 20_000)
+        texts = load_embedded_corpus(split, max_chars=limit)
+    else:
+        texts = load_text_dataset(data.dataset, split, text_field=data.text_field or None)
+    if not texts:
+        raise DraftsmithError(f"data.dataset {data.dataset!r}: the {split} split is empty")
+    return texts
+
+
+def packed_corpus(recipe: Recipe, tokenizer, split: str):
+    from draftsmith.data.chat import pack_texts
+
+    rows = pack_texts(corpus_texts(recipe, split), tokenizer, recipe.train.seq_len)
+    if len(rows) == 0:
+        raise DraftsmithError(
+            f"data.dataset {recipe.data.dataset!r}: the {split} split has fewer than train.seq_len="
+            f"{recipe.train.seq_len} tokens"
+        )
+    return rows.with_format("torch")

@@ -1,0 +1,241 @@
+"""The one training loop, shared by every method, on accelerate.
+
+accelerate supplies devices, DDP/DeepSpeed/FSDP (from `accelerate launch --config_file`),
+mixed precision, gradient accumulation, checkpoints (`save_state`) and trackers; this
+file only orders them. Steps count optimizer updates. The data order is a function of
+(seed, epoch) alone, so a resumed run sees exactly the batches the uninterrupted run
+would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import atomic_file, ensure_writable_dir
+from draftsmith.recipe import Recipe, dump_recipe
+from draftsmith.train.methods import build_method
+
+CHECKPOINTS = "checkpoints"
+
+
+def mixed_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    # CPU autocast to bf16 is slow and lossy on most CPUs; bf16 only where a GPU has it.
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def make_accelerator(recipe: Recipe, out_dir: Path):
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
+
+    report_to = recipe.tracking.report_to
+    if report_to not in ("wandb", "tensorboard", "none"):
+        raise DraftsmithError(f"tracking.report_to: expected wandb, tensorboard or none, got {report_to!r}")
+    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")  # no key: keep the run local, sync later
+    return Accelerator(
+        mixed_precision=mixed_precision(recipe.train.mixed_precision),
+        gradient_accumulation_steps=recipe.train.grad_accum,
+        log_with=None if report_to == "none" else report_to,
+        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        step_scheduler_with_optimizer=False,
+    )
+
+
+def cosine_with_warmup(optimizer, recipe: Recipe):
+    t = recipe.train
+    warmup = max(0, round(t.warmup_ratio * t.max_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, t.max_steps - warmup))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    folder = out_dir / CHECKPOINTS
+    done = sorted(p for p in folder.glob("step-*") if (p / "step.json").is_file()) if folder.is_dir() else []
+    return done[-1] if done else None
+
+
+def save_checkpoint(accelerator, out_dir: Path, step: int, keep: int) -> None:
+    """save_state into a temporary folder, renamed into place once every rank is done."""
+    folder = out_dir / CHECKPOINTS
+    final = folder / f"step-{step:07d}"
+    tmp = folder / f".tmp-step-{step:07d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        with atomic_file(tmp / "step.json") as f:
+            json.dump({"step": step}, f)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for old in sorted(folder.glob("step-*"))[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def evaluate(method, model, loader, max_batches: int, step: int, accelerator) -> dict[str, float]:
+    model.eval()
+    sums: dict[str, float] = {}
+    count = 0
+    with torch.no_grad():
+        for i, batch in enumerate(loader):
+            if i >= max_batches:
+                break
+            loss, metrics = method.loss(model, batch, step)
+            for k, v in {"loss": loss.item(), **metrics}.items():
+                sums[k] = sums.get(k, 0.0) + v
+            count += 1
+    model.train()
+    means = {f"val/{k}": v / max(1, count) for k, v in sums.items()}
+    if "val/loss_main" in means:
+        means["val/ppl"] = math.exp(min(50.0, means["val/loss_main"]))
+    gathered = accelerator.gather_for_metrics(torch.tensor(list(means.values()), device=accelerator.device))
+    gathered = gathered.view(-1, len(means)).mean(0).tolist() if means else []
+    return dict(zip(means, gathered))
+
+
+def train(recipe: Recipe) -> Path:
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    t = recipe.train
+    out_dir = ensure_writable_dir(t.output_dir)
+    resume_from = latest_checkpoint(out_dir) if t.resume else None
+    if t.resume and resume_from is None:
+        raise DraftsmithError(f"train.resume=true but {out_dir}/{CHECKPOINTS} holds no checkpoint")
+    if t.max_steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
+        raise DraftsmithError("train.max_steps, train.batch_size and train.grad_accum must be positive")
+
+    accelerator = make_accelerator(recipe, out_dir)
+    set_seed(t.seed)
+    method = build_method(recipe, accelerator.device)
+    if accelerator.is_main_process:
+        with atomic_file(out_dir / "recipe.yaml") as f:
+            f.write(dump_recipe(recipe))
+
+    gen = torch.Generator().manual_seed(t.seed)
+    train_loader = DataLoader(method.train_data, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=gen)
+    eval_loader = DataLoader(method.eval_data, batch_size=t.batch_size, shuffle=False)
+    if len(train_loader) == 0:
+        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: fewer training rows than train.batch_size={t.batch_size}")
+    params = [p for p in method.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay)
+    scheduler = cosine_with_warmup(optimizer, recipe)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        method.model, optimizer, train_loader, eval_loader, scheduler)
+
+    step = 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        step = json.loads((resume_from / "step.json").read_text())["step"]
+        accelerator.print(f"resumed from {resume_from} at step {step}")
+    if accelerator.is_main_process:
+        accelerator.init_trackers(recipe.tracking.project, config=_flat(recipe),
+                                  init_kwargs={"wandb": {"name": recipe.tracking.run_name or out_dir.name,
+                                                         "dir": str(out_dir)}})
+
+    history = out_dir / "metrics.jsonl"
+    if accelerator.is_main_process:
+        _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
+    micro = step * t.grad_accum
+    per_epoch = len(train_loader)
+    bar = tqdm(total=t.max_steps, initial=step, desc=f"train {recipe.method.name}",
+               disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    window: dict[str, float] = {}
+    window_n, tokens, started = 0, 0, time.perf_counter()
+    model.train()
+    while step < t.max_steps:
+        epoch, skip = divmod(micro, per_epoch)
+        train_loader.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss, metrics = method.loss(model, batch, step)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and t.clip > 0:
+                    metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), t.clip))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            tokens += method.tokens_in(batch) * accelerator.num_processes
+            for k, v in {"loss": loss.item(), **metrics}.items():
+                window[k] = window.get(k, 0.0) + v
+            window_n += 1
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            bar.update(1)
+            if step % t.log_every == 0 or step == t.max_steps:
+                elapsed = time.perf_counter() - started
+                logs = {f"train/{k}": v / window_n for k, v in window.items()}
+                logs["train/lr"] = scheduler.get_last_lr()[0]
+                logs["train/tokens_per_s"] = tokens / max(elapsed, 1e-9)
+                _log(accelerator, history, step, logs)
+                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{logs['train/tokens_per_s']:.0f}")
+                window, window_n, tokens, started = {}, 0, 0, time.perf_counter()
+            if step % t.eval_every == 0 or step == t.max_steps:
+                val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator)
+                _log(accelerator, history, step, val)
+                if val:
+                    bar.write(f"step {step}: " + ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
+                                                             if k in ("val/loss", "val/ppl", "val/tau_est")))
+            if step % t.save_every == 0 or step == t.max_steps:
+                save_checkpoint(accelerator, out_dir, step, t.keep_checkpoints)
+            if step >= t.max_steps:
+                break
+    bar.close()
+    accelerator.wait_for_everyone()
+    final = None
+    if accelerator.is_main_process:
+        final = method.save(accelerator.unwrap_model(model), out_dir)
+        accelerator.print(f"wrote {final}")
+    accelerator.end_training()
+    return final or out_dir
+
+
+def _log(accelerator, history: Path, step: int, logs: dict[str, float]) -> None:
+    if not logs:
+        return
+    accelerator.log(logs, step=step)
+    if accelerator.is_main_process:
+        with history.open("a") as f:
+            f.write(json.dumps({"step": step, **logs}) + "\n")
+
+
+def _truncate_history(history: Path, step: int) -> None:
+    if not history.is_file():
+        return
+    keep = [line for line in history.read_text().splitlines() if json.loads(line)["step"] <= step]
+    with atomic_file(history) as f:
+        f.write("".join(line + "\n" for line in keep))
+
+
+def _flat(recipe: Recipe) -> dict:
+    from draftsmith.recipe import recipe_to_dict
+
+    flat = {}
+    for section, values in recipe_to_dict(recipe).items():
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return flat

@@ -1,0 +1,84 @@
+"""MTP heads trained jointly with the target, from scratch (DeepSeek-V3 style)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.fsutil import atomic_dir
+from draftsmith.models.export import save_mtp
+from draftsmith.models.mtp import MTPHeads, mtp_forward, mtp_losses
+from draftsmith.models.target import build_tiny_target, target_forward
+from draftsmith.train.data_setup import load_tokenizer, packed_corpus, resolve_model_dir
+from draftsmith.train.methods import TrainMethod
+
+
+class TargetWithMTP(nn.Module):
+    """The trainable unit: the target and its MTP heads, so one optimizer and one
+    accelerate wrapper cover both and the MTP gradients reach the trunk."""
+
+    def __init__(self, target: nn.Module, heads: MTPHeads):
+        super().__init__()
+        self.target = target
+        self.heads = heads
+
+    def forward(self, input_ids: torch.Tensor):
+        last = self.target.config.num_hidden_layers - 1
+        out = target_forward(self.target, input_ids, capture=[last])
+        return out.logits, mtp_forward(self.heads, self.target, input_ids, out.hidden[last])
+
+
+def build_target(recipe, tokenizer) -> nn.Module:
+    t = recipe.target
+    if t.path:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(t.path)))
+    return build_tiny_target(
+        seed=recipe.train.seed, arch=t.arch, vocab_size=len(tokenizer), num_layers=t.num_layers,
+        hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
+        intermediate_size=t.intermediate_size or None, max_position_embeddings=t.max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+
+
+class Method(TrainMethod):
+    def __init__(self, recipe, device):
+        super().__init__(recipe, device)
+        self.tokenizer = load_tokenizer(recipe)
+        self.config = recipe.method.build_config()
+        target = build_target(recipe, self.tokenizer)
+        if recipe.train.gradient_checkpointing:
+            target.gradient_checkpointing_enable()
+        self.model = TargetWithMTP(target, MTPHeads.for_target(target, self.config.num_depths))
+        self.train_data = packed_corpus(recipe, self.tokenizer, "train")
+        self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
+
+    def mtp_weight(self, step: int) -> float:
+        c = self.config
+        early = step < c.lambda_switch * self.recipe.train.max_steps
+        return (c.lambda_early if early else c.lambda_late) / max(1, c.num_depths)
+
+    def loss(self, model, batch, step):
+        ids = batch["input_ids"]
+        logits, depth_logits = model(ids)
+        main = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        losses, accs = mtp_losses(depth_logits, ids)
+        total = main + self.mtp_weight(step) * torch.stack(losses).sum()
+        metrics = {"loss_main": main.item(), "ppl": float(torch.exp(main.detach())),
+                   "acc_main": (logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean().item()}
+        for k, (loss_k, acc_k) in enumerate(zip(losses, accs), start=1):
+            metrics[f"loss_mtp_{k}"] = loss_k.item()
+            metrics[f"acc_mtp_{k}"] = acc_k
+        return total, metrics
+
+    def save(self, model, out_dir: Path) -> Path:
+        with atomic_dir(out_dir / "model") as tmp:
+            model.target.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            save_mtp(model.heads, self.config, tmp)
+        return out_dir / "model"
