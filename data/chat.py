@@ -47,15 +47,17 @@ def assistant_spans(tokenizer, messages, template: str | None) -> tuple[str, lis
     text = render_text(tokenizer, messages, template)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i == 0:  # a reply to nothing teaches nothing
+        if message["role"] != "assistant" or i == 0:  # a reply to nothing: no prompt to learn it from
             continue
         before = render_text(tokenizer, messages[:i], template, add_generation_prompt=True)
         upto = render_text(tokenizer, messages[: i + 1], template)
         if not (upto.startswith(before) and text.startswith(upto)):
             raise DraftsmithError(f"chat template renders the conversation before assistant turn {i} differently "
                                   "once the turn is added; use a template with {% generation %} blocks")
-        # The layout after the end-of-turn token (ChatML's "\n") is not part of the reply.
-        spans.append((len(before), len(before) + len(upto[len(before):].rstrip())))
+        reply = upto[len(before):]
+        if template is not None:  # the layout after the end-of-turn token (ChatML's "\n") is not the reply's
+            reply = reply.rstrip()
+        spans.append((len(before), len(before) + len(reply)))
     return text, spans
 
 
@@ -127,14 +129,13 @@ def tokenize_conversations(conversations, tokenizer, max_len: int, pack: bool = 
 
     from draftsmith.data.corpus import load_dataset_spec
 
-    source = conversations
+    where = "conversations"
     if isinstance(conversations, (str, Path)):
-        conversations = load_dataset_spec(str(conversations))
+        where, conversations = str(conversations), load_dataset_spec(str(conversations))
     elif not isinstance(conversations, datasets.Dataset):
         conversations = datasets.Dataset.from_dict({"messages": list(conversations)})
     if "messages" not in conversations.column_names:
-        raise DraftsmithError(f"conversations {source if isinstance(source, (str, Path)) else ''}: no messages column "
-                              f"(columns: {', '.join(conversations.column_names)})")
+        raise DraftsmithError(f"{where}: no messages column (columns: {', '.join(conversations.column_names)})")
     if not plain:
         resolve_template(tokenizer, chat_template)  # fail before the map, not inside a worker
     pad = _pad_id(tokenizer)

@@ -34,12 +34,10 @@ def _bucket(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % 100
 
 
-def _is_source(rel: Path, path: Path) -> bool:
-    if any(part in _SKIP_DIRS or part.startswith("config-") for part in rel.parts[:-1]):
+def _is_library_file(rel: Path) -> bool:
+    if rel.name.startswith("_sysconfigdata"):  # the build's configuration, not code
         return False
-    if rel.name.startswith("_sysconfigdata") or path.stat().st_size > _MAX_FILE_BYTES:
-        return False
-    return not _GENERATED.search(path.read_bytes()[:1000].decode("utf-8", "replace"))
+    return not any(d in _SKIP_DIRS or d.startswith("config-") for d in rel.parts[:-1])
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,19 +46,17 @@ def _documents() -> tuple[tuple[str, str], ...]:
     import pydoc_data.topics
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    docs = {}
+    docs = {f"pydoc_data.topics:{topic}": text for topic, text in pydoc_data.topics.topics.items()}
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if not _is_source(rel, path):
+        if not _is_library_file(rel) or path.stat().st_size > _MAX_FILE_BYTES:
             continue
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:  # a handful of legacy files; not worth guessing encodings
             continue
-        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
-        docs[name] = text
-    for topic, text in pydoc_data.topics.topics.items():
-        docs[f"pydoc_data.topics:{topic}"] = text
+        if not _GENERATED.search(text[:1000]):
+            docs[".".join(rel.with_suffix("").parts).removesuffix(".__init__")] = text
     return tuple(sorted((name, text) for name, text in docs.items() if text.strip()))
 
 
@@ -70,7 +66,7 @@ def embedded_split(split: str) -> list[tuple[str, str]]:
         raise DraftsmithError(f"embedded corpus: unknown split {split!r} (expected one of {', '.join(SPLITS)})")
     part = _SPLIT_PERCENT[split]
     docs = [(name, text) for name, text in _documents() if _bucket(name) in part]
-    return sorted(docs, key=lambda doc: (hashlib.sha256(doc[0].encode()).digest(), doc[0]))
+    return sorted(docs, key=lambda doc: hashlib.sha256(doc[0].encode()).digest())
 
 
 def _cut_at_line(text: str, max_chars: int) -> str:
@@ -120,30 +116,31 @@ def corpus_prompts(count: int, max_chars: int = 512, split: str = "test") -> lis
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",
              ".md": "text", ".csv": "csv"}
+# A local corpus file is one part; named splits carve it in file order, 90/5/5 like the embedded corpus.
+_LOCAL_SLICES = {"train": "train[:90%]", "validation": "train[90%:95%]", "test": "train[95%:]"}
 
 
 def load_dataset_spec(spec: str, split: str = "train"):
     """A `datasets.Dataset` from a local file (json, jsonl, parquet, csv, text) or a hub name.
 
-    Local files have one split, "train"; slices such as "train[:95%]" carve others from it.
+    A local file is read whole as the split "train" (slices such as "train[:95%]" carve it).
     Loading goes through the `datasets` cache, so a second run reuses the Arrow files.
     """
     import datasets
 
     path = Path(spec).expanduser()
-    looks_local = path.suffix.lower() in _BUILDERS or spec.startswith((".", "/", "~"))
-    if looks_local and not path.exists():
+    suffix = path.suffix.lower()
+    if (suffix in _BUILDERS or spec.startswith((".", "/", "~"))) and not path.exists():
         raise DraftsmithError(f"dataset {spec}: no such file")
+    if path.is_file() and suffix not in _BUILDERS:
+        raise DraftsmithError(f"dataset {spec}: unknown file type {suffix!r} (expected one of {', '.join(_BUILDERS)})")
+    if path.is_file() and path.stat().st_size == 0:  # datasets would only say "error while generating"
+        raise DraftsmithError(f"dataset {spec} is empty")
     try:
         if path.is_file():
-            if path.suffix.lower() not in _BUILDERS:
-                raise DraftsmithError(f"dataset {spec}: unknown file type {path.suffix!r} "
-                                      f"(expected one of {', '.join(sorted(_BUILDERS))})")
-            dataset = datasets.load_dataset(_BUILDERS[path.suffix.lower()], data_files=str(path), split=split)
+            dataset = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split=split)
         else:  # a folder of data files, or a hub name when online
             dataset = datasets.load_dataset(str(path) if path.exists() else spec, split=split)
-    except DraftsmithError:
-        raise
     except Exception as exc:  # datasets raises many types (hub, schema, Arrow); report the first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DraftsmithError(f"dataset {spec} (split {split!r}): {first}") from None
@@ -153,7 +150,13 @@ def load_dataset_spec(spec: str, split: str = "train"):
 
 
 def load_text_dataset(spec: str, split: str = "train", text_field: str | None = None) -> list[str]:
-    """The texts of a plain-text corpus: the `text_field` column, else "text", else its only string column."""
+    """The texts of one split of a plain-text corpus (a .txt file holds one document per line).
+
+    The column is `text_field`, else "text", else the only string column. A local file's
+    train, validation and test splits are its first 90%, next 5% and last 5%.
+    """
+    if Path(spec).expanduser().is_file():
+        split = _LOCAL_SLICES.get(split, split)
     dataset = load_dataset_spec(spec, split)
     columns = dataset.column_names
     if not text_field:

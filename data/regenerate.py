@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,25 +59,35 @@ def stop_token_ids(target, tokenizer, chat_template: str | None = None, plain: b
     return sorted(ids)
 
 
+@dataclass(frozen=True)
+class _Decoding:
+    template: str | None  # None: plain text
+    stop_ids: list[int]
+    pad_id: int
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+
+
 @torch.inference_mode()
-def _generate(target, tokenizer, prompts: list[str], plain: bool, stop_ids: list[int], pad_id: int,
-              max_new_tokens: int, temperature: float) -> list[str]:
+def _generate(target, tokenizer, prompts: list[str], how: _Decoding) -> list[str]:
     # Left padding keeps every prompt's last token at the end, where generation continues.
     batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
-                      add_special_tokens=plain).to(target.device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
-        else {"do_sample": False}
-    out = target.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id,
-                          **sampling)
+                      add_special_tokens=how.template is None).to(target.device)  # templates write their own BOS
+    # Unset fields fall back to the model's generation_config, whose suggested top-k, top-p or
+    # repetition penalty would change the distribution the drafters are later measured against.
+    sampling = {"do_sample": how.temperature > 0, "repetition_penalty": 1.0}
+    if how.temperature > 0:
+        sampling |= {"temperature": how.temperature, "top_k": 0, "top_p": 1.0}
+    out = target.generate(**batch, max_new_tokens=how.max_new_tokens, eos_token_id=how.stop_ids,
+                          pad_token_id=how.pad_id, **sampling)
     replies = []
     for row in out[:, batch["input_ids"].shape[1]:].tolist():
-        end = next((k for k, token in enumerate(row) if token in stop_ids), len(row))
+        end = next((k for k, token in enumerate(row) if token in how.stop_ids), len(row))
         replies.append(tokenizer.decode(row[:end], skip_special_tokens=True))
     return replies
 
 
-def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, template: str | None,
-            stop_ids: list[int], pad_id: int, max_new_tokens: int, temperature: float) -> list[list[dict]]:
+def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, how: _Decoding) -> list[list[dict]]:
     """The conversations of one batch with every assistant turn written by the target."""
     turns = [_user_turns(messages, first_index + k) for k, messages in enumerate(batch)]
     histories: list[list[dict]] = [[] for _ in batch]
@@ -84,11 +95,9 @@ def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, templa
         active = [k for k, conv in enumerate(turns) if t < len(conv)]
         for k in active:
             histories[k] += turns[k][t]
-        prompts = [render_text(tokenizer, histories[k], template, add_generation_prompt=template is not None)
+        prompts = [render_text(tokenizer, histories[k], how.template, add_generation_prompt=how.template is not None)
                    for k in active]
-        replies = _generate(target, tokenizer, prompts, template is None, stop_ids, pad_id,
-                            max_new_tokens, temperature)
-        for k, reply in zip(active, replies):
+        for k, reply in zip(active, _generate(target, tokenizer, prompts, how)):
             histories[k].append({"role": "assistant", "content": reply})
     return histories
 
@@ -136,8 +145,11 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
     template = None if plain else resolve_template(tokenizer, chat_template)
     stop_ids = stop_token_ids(target, tokenizer, chat_template, plain)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    settings = json.dumps([getattr(target, "name_or_path", ""), type(target).__name__, conversations,
-                           max_new_tokens, temperature, seed, batch_size, template], sort_keys=True)
+    how = _Decoding(template, stop_ids, pad_id, max_new_tokens, temperature)
+    # The embedding sum tells a retrained target from the one that wrote an old partial file.
+    weights = float(target.get_input_embeddings().weight.detach().double().sum())
+    settings = json.dumps([getattr(target, "name_or_path", ""), weights, conversations, max_new_tokens,
+                           temperature, seed, batch_size, template], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:12]
     partial = ensure_writable_dir(out_path.parent) / f".{out_path.name}.{key}.partial"
 
@@ -148,8 +160,7 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
             batch = conversations[start:start + batch_size]
             with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
                 torch.manual_seed(seed + start)
-                answered = _answer(target, tokenizer, batch, start, template, stop_ids, pad_id,
-                                   max_new_tokens, temperature)
+                answered = _answer(target, tokenizer, batch, start, how)
             handle.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in answered))
             handle.flush()
             os.fsync(handle.fileno())

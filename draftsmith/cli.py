@@ -19,6 +19,23 @@ def _train(args) -> None:
     train(load_recipe(args.recipe, args.overrides))
 
 
+def _plan(args) -> None:
+    from draftsmith.eval.tile import plan_command
+
+    print(plan_command(args.target, args.tile, args.tp))
+
+
+def _eval(args) -> None:
+    from draftsmith.eval.evaluate import EvalSettings, evaluate, print_summary
+
+    settings = EvalSettings(
+        dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        num_draft=args.num_draft, tile=args.tile, drafters=args.drafter,
+    )
+    print_summary(evaluate(args.target, settings, args.out), args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -27,11 +44,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny/mtp.yaml")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides; they win over the recipe")
     p.set_defaults(run=_train)
+
+    p = sub.add_parser("plan", help="size the draft count D from the target's head grouping (tile rule)")
+    p.add_argument("target", help="a model folder, a config.json, or a hub name")
+    p.add_argument("--tile", type=int, default=128, help="rows of the verify kernel's tile (default 128)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.set_defaults(run=_plan)
+
+    p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
+    p.add_argument("--target", required=True, help="the target: a model folder or a training run folder")
+    p.add_argument("--drafter", action="append", required=True, metavar="SPEC",
+                   help="NAME[:PATH], repeatable: ngram, draft_lm:RUN, mtp:RUN, eagle3:RUN, "
+                        "eagle3_tree:RUN, dflash:RUN, dspark:RUN")
+    p.add_argument("--dataset", default="embedded", help="a jsonl of turns/conversations/messages/prompt, or 'embedded'")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-draft", type=int, default=None, help="drafts per verify (default: the tile rule's D)")
+    p.add_argument("--tile", type=int, default=128)
+    p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
+    p.set_defaults(run=_eval)
     return parser
+
+
+def quiet_libraries() -> None:
+    """Keep stderr for our one-line errors and our own progress bars: transformers'
+    per-load weight bars and its 5.24 `cache=` rename notice only add noise."""
+    import logging
+
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        logging.getLogger("transformers.utils.generic").setLevel(logging.ERROR)
+    except ImportError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_libraries()
     try:
         args.run(args)
     except DraftsmithError as exc:

@@ -288,9 +288,9 @@ class SpeculativeDecoder:
         stats = state.stats
         t0 = self._clock()
         prefix = state.cache.get_seq_length()
-        # Never draft what the token limit could not keep: a drafts + 1 <= budget.
-        budget = state.max_new_tokens - len(state.generated)
-        draft = self.drafter.propose(min(self.num_draft, budget - 1), state.sampling, state.generator)
+        # The full budget even near the token limit: a tree's depth, not its size, bounds
+        # what it can commit, and the tokens past the limit are simply not kept.
+        draft = self.drafter.propose(self.num_draft, state.sampling, state.generator)
         if len(draft) > self.num_draft:
             raise DraftsmithError(f"drafter {self.drafter.name} proposed {len(draft)} nodes, more than {self.num_draft}")
         t1 = self._clock()

@@ -66,3 +66,12 @@ class DraftModelDrafter:
         crop_cache(self.cache, self.cache.get_seq_length() - self.drafts_fed + kept)
         self.pending = accepted[kept:]
         self.drafts_fed = None
+
+
+def load_drafter(path, target, **options) -> DraftModelDrafter:
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise DraftsmithError(f"draft model {path}: no config.json (expected a draft_lm run or a HF model folder)")
+    model = AutoModelForCausalLM.from_pretrained(str(path)).to(next(target.parameters()).device)
+    return DraftModelDrafter(model, target, name="draft_lm")

@@ -54,3 +54,7 @@ class NgramDrafter:
                     out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
                 return Draft(torch.tensor(out, dtype=torch.long))
         return Draft.empty()
+
+
+def load_drafter(path, target, **options) -> NgramDrafter:
+    return NgramDrafter(**options)

@@ -83,14 +83,15 @@ class MTPLayer(nn.Module):
 
 
 class MTPHeads(nn.Module):
-    """K MTP layers for a given target. Layer k-1 serves depth k; the block's layer index
-    continues the target's numbering (as DeepSeek-V3 stores them after the main layers)."""
+    """K MTP layers for a given target; layer k-1 serves depth k. Each block is built as
+    the target's last layer (same attention type: full, not sliding); exports renumber
+    them after the main layers, as DeepSeek-V3 stores them."""
 
     def __init__(self, target_config, num_depths: int, layer_class: type):
         super().__init__()
         n = target_config.num_hidden_layers
         self.layers = nn.ModuleList(
-            MTPLayer(target_config, layer_class, layer_idx=n + k) for k in range(num_depths)
+            MTPLayer(target_config, layer_class, layer_idx=n - 1) for _ in range(num_depths)
         )
 
     @classmethod

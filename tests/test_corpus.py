@@ -63,12 +63,14 @@ def test_corpus_prompts_are_line_aligned_excerpts_of_held_out_modules():
 
 def test_load_text_dataset_reads_local_files(tmp_path, datasets_cache):
     jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text("".join(json.dumps({"id": i, "body": f"doc {i}"}) + "\n" for i in range(3)))
-    assert load_text_dataset(str(jsonl)) == ["doc 0", "doc 1", "doc 2"]  # the only string column
+    jsonl.write_text("".join(json.dumps({"id": i, "body": f"doc {i}"}) + "\n" for i in range(40)))
+    parts = {split: load_text_dataset(str(jsonl), split) for split in SPLITS}  # the only string column
+    assert parts["train"] + parts["validation"] + parts["test"] == [f"doc {i}" for i in range(40)]
+    assert [len(part) for part in parts.values()] == [36, 2, 2]
     assert load_text_dataset(str(jsonl), "train[:1]", text_field="body") == ["doc 0"]
     txt = tmp_path / "lines.txt"
     txt.write_text("first line\nsecond line\n")
-    assert load_text_dataset(str(txt)) == ["first line", "second line"]
+    assert load_text_dataset(str(txt), "train[:100%]") == ["first line", "second line"]
 
 
 def test_load_text_dataset_errors_are_one_line(tmp_path, datasets_cache):
@@ -81,5 +83,5 @@ def test_load_text_dataset_errors_are_one_line(tmp_path, datasets_cache):
     assert "\n" not in str(err.value)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(DraftsmithError, match="empty"):
+    with pytest.raises(DraftsmithError, match="empty.txt is empty"):
         load_text_dataset(str(empty))

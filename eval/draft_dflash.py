@@ -1,0 +1,135 @@
+"""Decoder adapters for DFlash and DSpark: one drafter forward per step gives the draft.
+
+The adapter keeps the drafter's context cache: the projected context K/V, per layer, of
+every committed position whose target hidden state is known, i.e. all committed tokens
+but the last one, which is the next anchor. Each commit crops the cache to the position
+its context starts at and appends the newly verified positions, so nothing of a rejected
+draft survives (the block's own K/V are never cached). A proposal runs the block
+[anchor, MASK ...] at positions len(cache).. over that cache.
+
+DSpark adds the serial refiner (left to right over the drafted tokens) and may end a draft
+early when its confidence head predicts that the rest would be rejected; it counts those
+early stops and the verify rows they saved (`stats()`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.drafter import Draft, SamplingParams, TargetContext
+from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.fsutil import read_json
+from draftsmith.models.dflash import ContextCache, DFlashDrafter, concat_layers
+from draftsmith.models.dspark import DSparkDrafter
+
+
+class DFlashDecodeDrafter:
+    def __init__(self, drafter: DFlashDrafter, target, name: str = "dflash"):
+        self.name = name
+        self.drafter = drafter.eval()
+        self.embed = target.get_input_embeddings()
+        self.head = target.get_output_embeddings()
+        self.capture_layers = tuple(drafter.config.target_layer_ids)
+        self.device = drafter.fc.weight.device
+        self.cache = ContextCache()
+        self.last: torch.Tensor | None = None  # [1] the anchor of the next block
+
+    def begin(self, prompt_ids: torch.Tensor, ctx: TargetContext) -> None:
+        self.cache = ContextCache()
+        self._extend(ctx)
+        self.last = prompt_ids[-1:].to(self.device)
+
+    def commit(self, accepted: torch.Tensor, ctx: TargetContext) -> None:
+        self._extend(ctx)
+        self.last = accepted[-1:].to(self.device)
+
+    def _extend(self, ctx: TargetContext) -> None:
+        with torch.no_grad():
+            features = concat_layers(ctx.hidden, self.drafter.config.target_layer_ids)[None]
+            self.cache.extend(self.drafter, features.to(self.device), ctx.start)
+
+    def _block(self, max_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prediction-slot hidden [1, n, H] and the head's logits [1, n, V] of one block."""
+        n = min(max_nodes, self.drafter.drafts_per_block)
+        hidden = self.drafter.decode_hidden(self.last, self.cache, self.embed)[:, :n]
+        return hidden, self.head(hidden.to(self.head.weight.dtype))
+
+    @torch.no_grad()
+    def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        if max_nodes <= 0:
+            return Draft.empty(self.device)
+        logits = self._block(max_nodes)[1][0]
+        if sampling.greedy:
+            return Draft(logits.argmax(-1))
+        probs = process_logits(logits, sampling)
+        return Draft(sample(probs, generator), None, probs)
+
+
+class DSparkDecodeDrafter(DFlashDecodeDrafter):
+    """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block.
+    `refiner=False` drafts with the backbone alone (an ablation; the result stays exact)."""
+
+    def __init__(self, drafter: DSparkDrafter, target, name: str = "dspark",
+                 confidence_threshold: float | None = None, refiner: bool = True):
+        super().__init__(drafter, target, name)
+        self.threshold = drafter.config.confidence_threshold if confidence_threshold is None else confidence_threshold
+        self.refiner = refiner
+        self.proposals = 0  # proposals that asked for at least one draft
+        self.early_stops = 0  # of those, ended early by the confidence head
+        self.rows_saved = 0  # verify rows those early stops did not spend
+
+    @torch.no_grad()
+    def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        if max_nodes <= 0:
+            return Draft.empty(self.device)
+        hidden, base = self._block(max_nodes)
+        probs: list[torch.Tensor] = []
+
+        def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
+            if sampling.greedy:
+                return logits.argmax(-1)
+            q = process_logits(logits, sampling)
+            probs.append(q)
+            return sample(q, generator)
+
+        tokens, _, _ = self.drafter.refine(hidden, base, self.last, pick, self.refiner, self.threshold)
+        self.proposals += 1
+        if tokens.shape[1] < hidden.shape[1]:
+            self.early_stops += 1
+            self.rows_saved += hidden.shape[1] - tokens.shape[1]
+        return Draft(tokens[0], None, torch.cat(probs) if probs else None)
+
+    def stats(self) -> dict:
+        return {
+            "confidence_threshold": self.threshold,
+            "proposals": self.proposals,
+            "early_stops": self.early_stops,
+            "early_stop_rate": self.early_stops / self.proposals if self.proposals else 0.0,
+            "verify_rows_saved": self.rows_saved,
+        }
+
+
+def open_block_drafter(path: str | Path, target, **kwargs) -> DFlashDecodeDrafter:
+    """The decode adapter of a DFlash or DSpark checkpoint in any of our formats (native,
+    z-lab, DSpark), told apart by its config.json."""
+    from draftsmith.models.export_dflash import (
+        DFLASH_ARCH, DSPARK_ARCH, load_dflash_zlab, load_dspark, load_native_drafter,
+    )
+
+    meta = read_json(Path(path) / "config.json")
+    arch = (meta.get("architectures") or [None])[0]
+    if meta.get("format") == "draftsmith" and meta.get("method") in ("dflash", "dspark"):
+        drafter = load_native_drafter(path, meta["method"])
+    elif arch == DFLASH_ARCH:
+        drafter = load_dflash_zlab(path)
+    elif arch == DSPARK_ARCH:
+        drafter = load_dspark(path)
+    else:
+        raise DraftsmithError(f"{path} is not a DFlash or DSpark checkpoint (architectures {meta.get('architectures')!r})")
+    drafter.to(next(target.parameters()).device)
+    if isinstance(drafter, DSparkDrafter):
+        return DSparkDecodeDrafter(drafter, target, **kwargs)
+    return DFlashDecodeDrafter(drafter, target, **kwargs)

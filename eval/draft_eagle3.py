@@ -1,0 +1,190 @@
+"""EAGLE-3 drafting for the speculative decoder: a chain, or an EAGLE-2 dynamic tree.
+
+Drafter position p holds the entry (fused target features at p, token x_{p+1}). After a
+commit the decoder has handed over every committed token and the features of every
+committed position but the last, so every position with features can have its entry;
+the output of the last one (position c) predicts the token after the last committed one.
+
+The drafter's KV cache keeps these context entries only. A proposal appends entries for
+its own drafts, computed from the drafter's own hidden states; the next commit crops them
+away, because accepted positions come back with the target's features and are recomputed
+from those (SGLang's draft-extend does the same). Context entries are computed lazily in
+`propose`, so a commit costs nothing and a sequence that ends never pays for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.drafter import Draft, SamplingParams
+from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
+
+
+class Eagle3Proposer:
+    """`mode="chain"`: max_nodes autoregressive drafts. `mode="tree"`: EAGLE-2's dynamic tree,
+    `topk` children per expanded node and `topk` nodes expanded per depth, up to `depth`
+    levels, then the max_nodes nodes of highest cumulative draft log-probability (always a
+    tree: a child never scores above its parent). Tree drafts are deterministic (`probs`
+    None), which the decoder's tree sampling accepts losslessly."""
+
+    def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int = 6,
+                 name: str | None = None):
+        if mode not in ("chain", "tree"):
+            raise DraftsmithError(f"EAGLE-3 drafting mode {mode!r}: expected 'chain' or 'tree'")
+        if topk < 1 or depth < 1:
+            raise DraftsmithError(f"EAGLE-3 tree: topk and depth must be >= 1, got {topk} and {depth}")
+        self.drafter = drafter.eval()
+        self.mode, self.topk, self.depth = mode, topk, depth
+        self.name = name or f"eagle3-{mode}"
+        self.capture_layers = tuple(drafter.config.target_layer_ids)
+        self.device = drafter.fc.weight.device
+        self.draft_ids = drafter.draft_to_target
+
+    # ---- the Drafter protocol ---------------------------------------------------------
+
+    def begin(self, prompt_ids, ctx) -> None:
+        self.cache = DraftKV()
+        self.tokens = prompt_ids.to(self.device)
+        self.context = 0  # positions whose entry is in the cache
+        self.pending: list[torch.Tensor] = []  # captured features of the positions after those
+        self.last_out: torch.Tensor | None = None  # drafter output at the last context position
+        self._take(ctx)
+
+    def commit(self, accepted, ctx) -> None:
+        self.cache.crop(self.context)
+        self.tokens = torch.cat([self.tokens, accepted.to(self.device)])
+        self._take(ctx)
+
+    @torch.no_grad()
+    def propose(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
+        if max_nodes <= 0:
+            return Draft.empty(self.device)
+        self._catch_up()
+        if self.mode == "chain":
+            return self._chain(max_nodes, sampling, generator)
+        return self._tree(max_nodes)
+
+    # ---- context ---------------------------------------------------------------------
+
+    def _take(self, ctx) -> None:
+        if not len(ctx):
+            return
+        known = self.context + sum(len(f) for f in self.pending)
+        if ctx.start != known:
+            raise DraftsmithError(f"EAGLE-3 drafter: features start at position {ctx.start}, expected {known}")
+        features = torch.cat([ctx.hidden[i] for i in self.capture_layers], dim=-1)
+        self.pending.append(features.to(self.device))
+
+    def _catch_up(self) -> None:
+        if not self.pending:
+            return
+        features = torch.cat(self.pending)
+        start, count = self.context, len(features)
+        positions = torch.arange(start, start + count, device=self.device)[None]
+        tokens = self.tokens[start + 1 : start + count + 1][None]  # x_{p+1} for each position p
+        out = self.drafter.step(tokens, self.drafter.fuse(features)[None], positions, self.cache)
+        self.last_out = out[:, -1:]
+        self.context += count
+        self.pending = []
+
+    # ---- chain -----------------------------------------------------------------------
+
+    def _chain(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
+        hidden, tokens, probs = self.last_out, [], []
+        for k in range(max_nodes):
+            logits = self.drafter.logits(hidden)[0, -1]
+            if sampling.greedy:
+                token = self.draft_ids[logits.argmax()]
+            else:
+                q = process_logits(self._on_target_vocab(logits), sampling)
+                token = sample(q, generator)
+                probs.append(q)
+            tokens.append(token)
+            if k + 1 < max_nodes:  # the last draft is never fed back
+                position = torch.tensor([[self.context + k]], device=self.device)
+                hidden = self.drafter.step(token.view(1, 1), hidden, position, self.cache)
+        return Draft(torch.stack(tokens), None, torch.stack(probs) if probs else None)
+
+    def _on_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        full = logits.new_full((self.drafter.config.vocab_size,), float("-inf"))
+        return full.index_copy_(0, self.draft_ids, logits)
+
+    # ---- EAGLE-2 dynamic tree ------------------------------------------------------------
+
+    def _tree(self, budget: int) -> Draft:
+        return self.grow_tree(budget).select(budget)
+
+    def grow_tree(self, budget: int) -> "TreeCandidates":
+        """Expand the `topk` best nodes of each depth by their `topk` best children.
+
+        A node at depth d is the drafter entry (its token, its parent's output) at position
+        context + d - 1; it sees the context entries, its ancestors' entries and itself.
+        """
+        self._catch_up()
+        k = min(self.topk, self.draft_ids.numel())
+        nodes = TreeCandidates()
+        above: dict[int, list[int]] = {-1: []}  # expanded node -> cache rows of its ancestors and itself
+        outputs = {-1: self.last_out}  # expanded node -> its drafter output (its children's hidden)
+        nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1], k, self.draft_ids)
+        frontier = list(range(len(nodes)))
+        for level in range(1, min(self.depth, budget)):
+            rows = len(self.cache)
+            tokens = torch.tensor([nodes.token[n] for n in frontier], device=self.device)[None]
+            hidden = torch.cat([outputs[nodes.parent[n]] for n in frontier], dim=1)
+            visible = torch.zeros(len(frontier), rows + len(frontier), dtype=torch.bool, device=self.device)
+            visible[:, : self.context] = True
+            for j, n in enumerate(frontier):
+                above[n] = above[nodes.parent[n]] + [rows + j]
+                visible[j, above[n]] = True
+            positions = torch.full((1, len(frontier)), self.context + level - 1, device=self.device)
+            out = self.drafter.step(tokens, hidden, positions, self.cache, visible)
+            logits = self.drafter.logits(out)[0]
+            first_child = len(nodes)
+            for j, n in enumerate(frontier):
+                outputs[n] = out[:, j : j + 1]
+                nodes.add_children(n, logits[j], k, self.draft_ids)
+            frontier = sorted(range(first_child, len(nodes)), key=lambda n: -nodes.score[n])[:k]
+        return nodes
+
+
+class TreeCandidates:
+    """Every node a tree expansion scored: target token, parent (-1: the last committed
+    token), depth, and cumulative draft log-probability of the path to it."""
+
+    def __init__(self):
+        self.token: list[int] = []
+        self.parent: list[int] = []
+        self.depth: list[int] = []
+        self.score: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def add_children(self, node: int, logits: torch.Tensor, k: int, draft_ids: torch.Tensor) -> None:
+        top = logits.float().log_softmax(-1).topk(k)
+        base, level = (self.score[node], self.depth[node] + 1) if node >= 0 else (0.0, 1)
+        for logprob, token in zip(top.values.tolist(), draft_ids[top.indices].tolist()):
+            self.token.append(token)
+            self.parent.append(node)
+            self.depth.append(level)
+            self.score.append(base + logprob)
+
+    def select(self, budget: int) -> Draft:
+        """The `budget` best nodes whose parents are also kept, in BFS order. A child never
+        scores above its parent (log-probabilities are <= 0), so this is the top `budget`."""
+        kept: list[int] = []
+        chosen = {-1}
+        for n in sorted(range(len(self)), key=lambda n: (-self.score[n], self.depth[n], n)):
+            if self.parent[n] in chosen:
+                kept.append(n)
+                chosen.add(n)
+                if len(kept) == budget:
+                    break
+        kept.sort(key=lambda n: (self.depth[n], n))
+        index = {n: i for i, n in enumerate(kept)}
+        index[-1] = -1
+        tokens = torch.tensor([self.token[n] for n in kept], dtype=torch.long)
+        parents = torch.tensor([index[self.parent[n]] for n in kept], dtype=torch.long)
+        return Draft(tokens, parents, None)

@@ -1,0 +1,162 @@
+"""`draftsmith eval`: every drafter against plain decoding of the same target, on the same
+prompts, with the same settings, in one run; then the report.
+
+At temperature 0 each drafter's output is also checked token for token against plain
+decoding: a mismatch is a bug in a drafter or the decoder, and the run stops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import DecodeStats, SpeculativeDecoder
+from draftsmith.eval.drafter import SamplingParams
+from draftsmith.eval.drafters import load_drafter, parse_spec
+from draftsmith.eval.report import format_table, speedup_bound, write_report
+from draftsmith.eval.tile import plan_tile, read_target_config
+
+
+@dataclass
+class EvalSettings:
+    dataset: str = "embedded"
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    num_draft: int | None = None  # None: the tile rule
+    tile: int = 128
+    prompt_chars: int = 400  # embedded prompts: characters of held-out source per prompt
+    drafters: list[str] = field(default_factory=list)
+
+
+def target_dir(path: str | Path) -> Path:
+    folder = Path(path)
+    if (folder / "model" / "config.json").is_file():
+        return folder / "model"
+    if not (folder / "config.json").is_file():
+        raise DraftsmithError(f"target {path}: no config.json (a model folder or a training run folder)")
+    return folder
+
+
+def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Tensor]:
+    """Token ids of the prompts: held-out corpus prefixes as plain text, or the first user
+    turn of each conversation in a file through the tokenizer's chat template."""
+    if settings.dataset == "embedded":
+        from draftsmith.data.corpus import corpus_prompts
+
+        texts = corpus_prompts(settings.num_prompts, max_chars=settings.prompt_chars)
+        ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+    else:
+        from draftsmith.data.conversations import first_user_prompts, load_conversations
+
+        prompts = first_user_prompts(load_conversations(settings.dataset, limit=settings.num_prompts))
+        if tokenizer.chat_template:
+            ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"] for p in prompts]
+        else:
+            ids = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
+    if not ids:
+        raise DraftsmithError(f"dataset {settings.dataset}: no prompts")
+    for i, row in enumerate(ids):
+        if len(row) + settings.max_new_tokens > context:
+            raise DraftsmithError(f"dataset {settings.dataset}: prompt {i} has {len(row)} tokens; with "
+                                  f"max_new_tokens={settings.max_new_tokens} that exceeds the target's context of {context}")
+    return [torch.tensor(row, dtype=torch.long) for row in ids]
+
+
+def _decode_all(decoder, prompts, settings, sampling, plain: bool, progress: str):
+    from tqdm.auto import tqdm
+
+    run = decoder.generate_plain if plain else decoder.generate
+    stats, outputs = None, []
+    for i, prompt in enumerate(tqdm(prompts, desc=progress, leave=False, dynamic_ncols=True)):
+        generator = torch.Generator(device=decoder.device).manual_seed(settings.seed + i)
+        result = run(prompt, settings.max_new_tokens, sampling, generator)
+        outputs.append(result.tokens.tolist())
+        stats = result.stats if stats is None else stats.merge(result.stats)
+    return stats, outputs
+
+
+def _per_pass_ms(stats: DecodeStats, seconds: float) -> float:
+    return 1000.0 * seconds / max(1, stats.verify_passes)
+
+
+def _tokens_per_s(stats: DecodeStats, outputs: list[list[int]]) -> float:
+    return sum(len(o) for o in outputs) / max(stats.total_s, 1e-9)
+
+
+def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Path) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.models.target import freeze
+
+    if not settings.drafters:
+        raise DraftsmithError("eval: give at least one --drafter")
+    for spec in settings.drafters:  # cheap checks before any model is loaded
+        parse_spec(spec)
+    folder = target_dir(target_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = freeze(AutoModelForCausalLM.from_pretrained(str(folder)).to(device))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    plan = plan_tile(read_target_config(folder), tile=settings.tile)
+    num_draft = plan.D if settings.num_draft is None else settings.num_draft
+    prompts = prompt_ids(tokenizer, settings, target.config.max_position_embeddings)
+    sampling = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
+    drafters = [load_drafter(spec, target) for spec in settings.drafters]  # fail before any decoding
+
+    baseline_decoder = SpeculativeDecoder(target, drafters[0], num_draft=num_draft)
+    baseline_decoder.generate_plain(prompts[0][:8], 4)  # warm-up: first calls pay one-off costs
+    base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, True, "plain decoding")
+    t_target = _per_pass_ms(base_stats, base_stats.verify_s)
+    base_tps = _tokens_per_s(base_stats, base_out)
+
+    rows, outputs = [], {"baseline": base_out}
+    for spec, drafter in zip(settings.drafters, drafters):
+        decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft)
+        decoder.generate(prompts[0][:8], 4, sampling)  # warm-up
+        stats, out = _decode_all(decoder, prompts, settings, sampling, False, spec)
+        if sampling.greedy:
+            for i, (mine, plain) in enumerate(zip(out, base_out)):
+                if mine != plain:
+                    raise DraftsmithError(f"lossless check failed: drafter {spec} changed the greedy output of prompt {i}")
+        tps = _tokens_per_s(stats, out)
+        t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
+        row = {
+            "name": drafter.name if len({d.name for d in drafters}) == len(drafters) else spec,
+            "spec": spec, "num_draft": num_draft, "tau": stats.tau,
+            "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
+            "per_position_acceptance": stats.per_position_acceptance,
+            "accepted_length_hist": list(stats.accepted_hist),
+            "tokens_per_s": tps, "speedup": tps / max(base_tps, 1e-9),
+            "bound": speedup_bound(stats.tau, t_target, t_draft, t_verify),
+            "T_draft_ms": t_draft, "T_verify_ms": t_verify,
+        }
+        extra = getattr(drafter, "report_extra", None)
+        if callable(extra):
+            row["extra"] = extra()
+        rows.append(row)
+        outputs[row["name"]] = out
+
+    results = {
+        "target": {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile, "D": num_draft},
+        "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
+                     "temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
+                     "seed": settings.seed},
+        "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target},
+        "drafters": rows,
+        "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()}}
+                    for i, p in enumerate(prompts)],
+    }
+    write_report(results, out_dir)
+    return results
+
+
+def print_summary(results: dict, out_dir) -> None:
+    print(format_table(results))
+    print(f"report: {Path(out_dir) / 'report.md'}")

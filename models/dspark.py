@@ -1,0 +1,208 @@
+"""DSpark: DFlash's parallel backbone, a light serial refiner and a confidence head.
+
+The backbone is DFlashDrafter itself (same modules, same parameter names), with the
+anchor as the first prediction slot: the block [anchor, MASK x (B - 1)] at positions
+a .. a + B - 1 gives B drafts, slot k predicting the token at a + k + 1.
+
+Serial refiner: a Markov head adds W2(W1[x_{k-1}]) to draft k's logits (W1: V x r
+embedding, W2: r -> V linear; x_0 is the anchor). At decode time it runs left to right on
+the drafted tokens (greedy or sampled); in training it is teacher-forced with the true
+tokens in the same single pass. Both go through `refined_logits`, so the two agree
+exactly on the same tokens. W2 starts at zero: an untrained refiner leaves the backbone's
+drafts unchanged.
+
+Confidence head: sigmoid(w . [h_k; W1[x_{k-1}]]) predicts whether draft k is accepted,
+given that the drafts before it were. The decoder may stop a draft once the predicted
+prefix acceptance prod_{j<=k} falls below a threshold: the rows it would not have kept
+are not verified. Acceptance stays exact either way; only the draft length changes.
+
+Loss: 0.1*CE + 0.9*TV + 1.0*BCE with DFlash's position weights. TV is the L1 distance
+||p_draft - p_target||_1 (twice the total variation); under rejection sampling draft k is
+accepted with probability 1 - TV/2, which is the BCE target of the confidence head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.dflash import (
+    DFlashConfig, DFlashDrafter, greedy_metrics, position_weights, weighted_mean,
+)
+
+ANCHOR_IS_FIRST_PREDICTION = "anchor_is_first_prediction"  # DSpark's own: B inputs, B drafts
+ANCHOR_IS_CONTEXT = "anchor_is_context"  # DFlash's: B inputs, B - 1 drafts (a frozen DFlash backbone)
+BLOCK_CONVENTIONS = (ANCHOR_IS_FIRST_PREDICTION, ANCHOR_IS_CONTEXT)
+HEADS = ("markov_head.", "confidence_head.")  # parameter prefixes outside the backbone
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    markov_rank: int | None = None  # r; None: 256, or hidden_size // 4 when smaller
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    bce_weight: float = 1.0
+    # Stop a draft before the first position whose predicted prefix acceptance is below
+    # this; 0 drafts the full block.
+    confidence_threshold: float = 0.05
+    block_convention: str = ANCHOR_IS_FIRST_PREDICTION
+
+    @property
+    def first_prediction_slot(self) -> int:
+        return 0 if self.block_convention == ANCHOR_IS_FIRST_PREDICTION else 1
+
+    def resolve(self) -> "DSparkConfig":
+        if self.block_convention not in BLOCK_CONVENTIONS:
+            raise DraftsmithError(
+                f"block_convention {self.block_convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}"
+            )
+        if self.markov_rank is None and self.hidden_size is not None:
+            self.markov_rank = min(256, max(1, self.hidden_size // 4))
+        if self.markov_rank is not None and self.markov_rank < 1:
+            raise DraftsmithError(f"markov_rank must be at least 1, got {self.markov_rank}")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise DraftsmithError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        return super().resolve()
+
+
+class MarkovHead(nn.Module):
+    """Low-rank first-order logit bias W2(W1[x_prev]); names as DeepSpec's VanillaMarkov."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        nn.init.zeros_(self.markov_w2.weight)  # starts as no bias at all
+
+    def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev_tokens))
+
+
+class ConfidenceHead(nn.Module):
+    """Acceptance logit of a draft from [h_k; W1[x_{k-1}]]; DeepSpec's `proj` name."""
+
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+        nn.init.normal_(self.proj.weight, std=0.02)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)
+
+
+class DSparkDrafter(DFlashDrafter):
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)
+        self.confidence_head = ConfidenceHead(config.hidden_size + config.markov_rank)
+
+    @classmethod
+    def from_dflash(cls, dflash: DFlashDrafter, freeze_backbone: bool = False,
+                    block_convention: str | None = None, **overrides) -> "DSparkDrafter":
+        """A DSpark on a trained DFlash backbone: its weights, context layers and number of
+        drafts per block. A DFlash backbone reads draft j from slot j, so kept frozen it
+        keeps that reading (ANCHOR_IS_CONTEXT, the default when freezing) and only the
+        refiner and confidence head train; trained on, it learns DSpark's own convention."""
+        convention = block_convention or (ANCHOR_IS_CONTEXT if freeze_backbone else ANCHOR_IS_FIRST_PREDICTION)
+        if freeze_backbone and convention != ANCHOR_IS_CONTEXT:
+            raise DraftsmithError(
+                f"a frozen DFlash backbone predicts draft j at slot j; it cannot serve block_convention {convention!r}"
+            )
+        fields = {**dataclasses.asdict(dflash.config), "block_convention": convention, **overrides}
+        if "block_size" not in overrides:
+            fields["block_size"] = dflash.drafts_per_block + (1 if convention == ANCHOR_IS_CONTEXT else 0)
+        weight = dflash.fc.weight
+        drafter = cls(DSparkConfig(**fields)).to(device=weight.device, dtype=weight.dtype)
+        missing, unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False)
+        if unexpected or any(not name.startswith(HEADS) for name in missing):
+            raise DraftsmithError(f"DFlash backbone does not fit DSpark (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        if freeze_backbone:
+            drafter.freeze_backbone()
+        return drafter
+
+    def freeze_backbone(self) -> None:
+        """Train only the refiner and the confidence head."""
+        for name, param in self.named_parameters():
+            if not name.startswith(HEADS):
+                param.requires_grad_(False)
+
+    def refined_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, refiner: bool = True) -> torch.Tensor:
+        """Draft logits given the token before each draft; `refiner=False`: the backbone's."""
+        if not refiner:
+            return base_logits
+        return base_logits + self.markov_head(prev_tokens).to(base_logits.dtype)
+
+    def confidence_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        prev = self.markov_head.markov_w1(prev_tokens).to(hidden.dtype)
+        return self.confidence_head(torch.cat([hidden, prev], dim=-1))
+
+    def refine(self, hidden: torch.Tensor, base_logits: torch.Tensor, anchor: torch.Tensor,
+               pick: Callable[[torch.Tensor, int], torch.Tensor], refiner: bool = True,
+               min_confidence: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-to-right decoding of one block per row.
+
+        hidden [B, n, H] and base_logits [B, n, V] of the prediction slots, anchor [B].
+        `pick(logits [B, V], k) -> tokens [B]` chooses draft k (argmax, a sample, or the
+        true token when teacher forcing). Stops before the first draft whose predicted
+        prefix acceptance falls below `min_confidence` in every row (0: never stops).
+        Returns tokens [B, m], refined logits [B, m, V], confidence logits [B, m], m <= n."""
+        prev, tokens, logits, confidence = anchor, [], [], []
+        prefix_accept = torch.ones(anchor.shape, device=hidden.device)
+        for k in range(hidden.shape[1]):
+            conf = self.confidence_logits(hidden[:, k], prev)
+            prefix_accept = prefix_accept * conf.float().sigmoid()
+            if min_confidence > 0 and bool((prefix_accept < min_confidence).all()):
+                break
+            step = self.refined_logits(base_logits[:, k], prev, refiner)
+            prev = pick(step, k)
+            tokens.append(prev)
+            logits.append(step)
+            confidence.append(conf)
+        if not tokens:
+            empty = hidden.new_zeros(anchor.shape[0], 0)
+            return empty.long(), base_logits[:, :0], empty
+        return torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(confidence, 1)
+
+    def loss(self, target_hidden, input_ids, loss_mask, embed: nn.Module,
+             head: Callable[[torch.Tensor], torch.Tensor], target_logits: torch.Tensor,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """0.1*CE + 0.9*TV + 1.0*BCE (config weights), position-weighted, teacher-forced.
+
+        target_logits [B, T, V]: the frozen target's logits on the same sequences (position
+        p predicts token p + 1), the distribution each draft is matched to."""
+        cfg = self.config
+        blocks = self.sample_blocks(input_ids, loss_mask, generator)
+        hidden = self.training_hidden(target_hidden, blocks, embed)
+        logits = self.refined_logits(head(hidden).float(), blocks.prev_tokens)
+        weights = blocks.label_mask * position_weights(self.drafts_per_block, cfg.gamma, logits.device)
+
+        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(weights)
+        # Draft j of anchor a is the token at a + j, which the target predicts at a + j - 1.
+        rows = (blocks.anchors[..., None] + torch.arange(self.drafts_per_block, device=logits.device))
+        rows = rows.clamp_max(target_logits.shape[1] - 1)
+        batch = torch.arange(rows.shape[0], device=rows.device)[:, None, None]
+        p_target = target_logits[batch, rows].float().softmax(-1)
+        tv = (logits.softmax(-1) - p_target).abs().sum(-1)
+        accept = (1.0 - tv / 2).clamp(0.0, 1.0).detach()
+        confidence = self.confidence_logits(hidden, blocks.prev_tokens).float()
+        bce = F.binary_cross_entropy_with_logits(confidence, accept, reduction="none")
+
+        parts = {"ce": weighted_mean(ce, weights), "tv": weighted_mean(tv, weights), "bce": weighted_mean(bce, weights)}
+        loss = cfg.ce_weight * parts["ce"] + cfg.tv_weight * parts["tv"] + cfg.bce_weight * parts["bce"]
+        metrics = {name: float(value.detach()) for name, value in parts.items()}
+        metrics.update(greedy_metrics(logits.argmax(-1), blocks))
+        with torch.no_grad():
+            mask = blocks.label_mask
+            started = mask[..., 0] > 0
+            # Expected acceptance length under sampling at temperature 1.
+            tau_prob = 1.0 + (accept * mask).cumprod(-1).sum(-1)
+            metrics["tau_prob"] = float(tau_prob[started].mean()) if started.any() else 1.0
+            metrics["conf_err"] = float(weighted_mean((confidence.sigmoid() - accept).abs(), mask))
+        return loss, metrics

@@ -1,0 +1,154 @@
+"""EAGLE-3 drafters in the layout SGLang and vLLM load (`LlamaForCausalLMEagle3`).
+
+    out_dir/config.json         a Llama config of one layer plus the EAGLE-3 keys below
+    out_dir/model.safetensors   fc, midlayer.*, norm, lm_head, d2t, t2d; no embedding
+
+Both engines share the target's embedding when the checkpoint has none, and skip t2d.
+
+Target layer ids. draftsmith's ids are outputs of layers, 0-based. What each consumer reads
+(checked in their sources):
+- SGLang reads only the nested `eagle_config.eagle_aux_hidden_state_layer_ids` (eagle
+  worker, `get_draft_hidden_dim`) and captures `[i + 1 for i in ids]` at the *input* of
+  those layers (`set_eagle3_layers_to_capture`: "for the ith layer, it takes the output of
+  the (i-1)th layer"), so its ids are output-of-layer ids: ours unchanged.
+- SpecForge (SGLang's trainer) reads the same nested key with the same meaning.
+- vLLM reads only the top-level `eagle_aux_hidden_state_layer_ids`
+  (`get_eagle3_aux_layers_from_config`) and captures `hidden_states + residual` before
+  running layer j, i.e. id j = output of layer j - 1 (HF `hidden_states[j]`): ours + 1.
+  Its built-in default (2, N // 2, N - 3) is the reference [1, N//2 - 1, N - 4] + 1.
+Since each engine reads only its own key, both keys go into both layouts; the `engine`
+argument is recorded and is where an engine-specific difference would go.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.models.eagle3 import (
+    METHOD, Eagle3Config, Eagle3Drafter, default_layer_ids, drafter_from_state,
+)
+from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
+from draftsmith.models.target import target_shape
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+ENGINES = ("sglang", "vllm")
+
+
+def export_config(config: Eagle3Config, engine: str, dtype: torch.dtype = torch.float32) -> dict:
+    layer_ids = list(config.target_layer_ids)
+    out = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": config.max_position_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "tie_word_embeddings": False,
+        # vLLM: the residual is the unnormalised hidden (SGLang has only this variant).
+        "norm_before_residual": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "draftsmith": {"engine": engine, "ttt_length": config.ttt_length, "ttt_decay": config.ttt_decay},
+    }
+    if config.target_hidden_size != config.hidden_size:
+        out["target_hidden_size"] = config.target_hidden_size
+    return out
+
+
+def _config_and_weights(run_or_drafter) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    if isinstance(run_or_drafter, Eagle3Drafter):
+        state = run_or_drafter.state_dict()
+        return run_or_drafter.config, state
+    path = Path(run_or_drafter)
+    meta = read_native_meta(path, expect_method=METHOD)
+    config = config_from_dict(Eagle3Config, meta["config"], source=f"{path}/config.json")
+    return config, load_native_weights(path)
+
+
+def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Path, engine: str) -> Path:
+    """Write a drafter (or a native EAGLE-3 folder) for `engine`, atomically."""
+    if engine not in ENGINES:
+        raise DraftsmithError(f"EAGLE-3 export: unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    config, state = _config_and_weights(run_or_drafter)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith("embed_tokens.")}
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", export_config(config, engine, tensors["fc.weight"].dtype))
+    return out_dir
+
+
+def _layer_ids(cfg: dict, num_target_layers: int, source: str) -> list[int]:
+    """Our ids from either engine's key; both present must agree."""
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if nested and top and [i + 1 for i in nested] != list(top):
+        raise DraftsmithError(
+            f"{source}: eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang) and "
+            f"eagle_aux_hidden_state_layer_ids {top} (vLLM) name different layers; vLLM's must be SGLang's + 1"
+        )
+    if nested:
+        return list(nested)
+    if top:
+        return [i - 1 for i in top]
+    return default_layer_ids(num_target_layers)  # what both engines then pick themselves
+
+
+def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
+    """Read an SGLang or vLLM EAGLE-3 folder back; the embedding is the target's."""
+    path = Path(path)
+    source = f"{path}/config.json"
+    cfg = read_json(path / "config.json")
+    if ARCHITECTURE not in (cfg.get("architectures") or []):
+        raise DraftsmithError(f"{source}: architectures {cfg.get('architectures')} do not include {ARCHITECTURE}")
+    if cfg.get("num_hidden_layers", 1) != 1:
+        raise DraftsmithError(f"{source}: num_hidden_layers {cfg['num_hidden_layers']}; only one-layer EAGLE-3 is supported")
+    try:
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        ours = cfg.get("draftsmith") or {}
+        config = Eagle3Config(
+            hidden_size=cfg["hidden_size"],
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_layer_ids=_layer_ids(cfg, target_shape(target.config).num_layers, source),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            ttt_length=ours.get("ttt_length", 7),
+            ttt_decay=ours.get("ttt_decay", 0.8),
+        )
+    except KeyError as missing:
+        raise DraftsmithError(f"{source}: missing key {missing}") from None
+    state = {k.removeprefix("model."): v for k, v in load_native_weights(path).items()}
+    state.pop("embed_tokens.weight", None)  # a checkpoint may carry a copy; ours is the target's
+    if "d2t" not in state:  # engines allow omitting the maps when the vocabularies are equal
+        state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+    if "t2d" not in state:
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(config.draft_vocab_size) + state["d2t"]] = True
+        state["t2d"] = t2d
+    return drafter_from_state(config, state, target, source=str(path))

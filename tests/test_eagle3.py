@@ -1,0 +1,373 @@
+"""EAGLE-3: parity with the transformers Llama modules it mirrors, training (TTT) that
+computes exactly what chain decoding computes, export for SGLang and vLLM, native
+save/load, and lossless speculative decoding (chain and tree) on Llama and Qwen3 targets."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.draft_eagle3 import Eagle3Proposer
+from draftsmith.eval.drafter import SamplingParams
+from draftsmith.models.eagle3 import (
+    DraftKV, Eagle3Config, Eagle3Drafter, attend, default_layer_ids, load_eagle3, save_eagle3,
+)
+from draftsmith.models.export_eagle3 import export_eagle3, load_eagle3_export
+from draftsmith.models.native import config_from_dict
+from draftsmith.models.target import build_tiny_target, target_forward
+
+VOCAB = 256
+ARCHS = {
+    "llama": dict(arch="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=1),
+    "qwen3": dict(arch="qwen3", num_layers=5, hidden_size=48, num_heads=4, num_kv_heads=2),
+}
+PROMPT, NEW = 8, 40
+EXPORT_NAMES = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
+}
+
+
+def peaky_target(arch: str):
+    """A tiny random target whose next-token distributions are sharp enough to learn
+    from in a few steps (its output head scaled up)."""
+    target = build_tiny_target(seed=1, vocab_size=VOCAB, **ARCHS[arch]).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6)
+    return target
+
+
+def features(target, drafter, ids):
+    """Captured online from the one target: the three layers concatenated, and logits."""
+    with torch.no_grad():
+        out = target_forward(target, ids, capture=drafter.config.target_layer_ids)
+    return torch.cat([out.hidden[i] for i in drafter.config.target_layer_ids], dim=-1), out.logits
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def trained(request):
+    """A drafter trained 30 steps on the target's own greedy continuations of 4 prompts."""
+    torch.manual_seed(0)
+    target = peaky_target(request.param)
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=192)
+    prompts = torch.randint(0, VOCAB, (4, PROMPT))
+    seqs = target.generate(prompts, max_new_tokens=NEW + 16, min_new_tokens=NEW + 16, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    hidden, logits = features(target, drafter, seqs)
+    # The vocabulary the data needs, so that the loss sees reachable targets.
+    seen = torch.unique(torch.cat([seqs.flatten(), logits.argmax(-1).flatten()]))
+    keep = torch.cat([seen, torch.tensor([t for t in range(VOCAB) if t not in set(seen.tolist())])])[:192]
+    from draftsmith.data.draft_vocab import vocab_maps
+    drafter.set_draft_vocab(*vocab_maps(keep, VOCAB))
+    mask = torch.ones_like(seqs)
+    mask[:, :PROMPT] = 0
+    embed_before = drafter.embed_tokens.weight.clone()
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
+    history = []
+    for _ in range(30):
+        loss, metrics = drafter.loss(hidden, seqs, logits, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append((loss.item(), metrics))
+    assert torch.equal(drafter.embed_tokens.weight, embed_before)  # frozen
+    return request.param, target, drafter.eval(), seqs, history
+
+
+# ---- configuration ----------------------------------------------------------------------
+
+
+def test_layer_ids_follow_the_reference_and_fit_tiny_targets():
+    assert default_layer_ids(32) == [1, 15, 28]  # Llama-3.1-8B: SpecForge's [1, N//2 - 1, N - 4]
+    assert default_layer_ids(8) == [1, 3, 4]
+    assert default_layer_ids(6) == [0, 2, 4] and default_layer_ids(4) == [0, 1, 2]
+    target = build_tiny_target(vocab_size=VOCAB, **ARCHS["llama"])
+    config = Eagle3Config.from_target(target)
+    assert config.target_layer_ids == [0, 2, 4] and config.draft_vocab_size == VOCAB
+    assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (64, 4, 1, 16)
+    again = config_from_dict(Eagle3Config, json.loads(json.dumps(dataclasses.asdict(config))))
+    assert again == config
+
+
+def test_bad_inputs_are_one_line_errors():
+    target = build_tiny_target(vocab_size=VOCAB, **ARCHS["llama"])
+    for ids, pattern in (([1, 2, 40], r"has 6 layers.*\[40\] cannot be captured"),
+                         ([1, 2, 5], r"\[5\] cannot be captured"),  # the last layer: engines cannot read it
+                         ([1, 1, 2], "3 distinct layer ids")):
+        with pytest.raises(DraftsmithError, match=pattern) as err:
+            Eagle3Config.from_target(target, target_layer_ids=ids)
+        assert "\n" not in str(err.value)
+    with pytest.raises(DraftsmithError, match="at least 4 decoder layers"):
+        Eagle3Config.from_target(build_tiny_target(vocab_size=VOCAB, arch="llama", num_layers=3, hidden_size=32,
+                                                   num_heads=2, num_kv_heads=1))
+    with pytest.raises(DraftsmithError, match="unknown key"):
+        Eagle3Config.from_target(target, layers=[1, 2, 3])
+    drafter = Eagle3Drafter.from_target(target)
+    other = build_tiny_target(vocab_size=VOCAB, arch="llama", num_layers=6, hidden_size=32, num_heads=4,
+                              num_kv_heads=1)
+    with pytest.raises(DraftsmithError, match="hidden size 64, this target has 256 and 32"):
+        drafter.copy_target_embedding(other)
+
+
+def test_parameters_carry_the_engine_names():
+    target = build_tiny_target(vocab_size=VOCAB, **ARCHS["llama"])
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=100)
+    assert set(drafter.state_dict()) == EXPORT_NAMES | {"embed_tokens.weight"}
+    assert not drafter.embed_tokens.weight.requires_grad
+    assert torch.equal(drafter.embed_tokens.weight, target.get_input_embeddings().weight)
+    assert drafter.d2t.dtype == torch.int64 and drafter.d2t.shape == (100,)
+    assert drafter.t2d.dtype == torch.bool and drafter.t2d.shape == (VOCAB,)
+    assert drafter.midlayer.self_attn.q_proj.weight.shape == (64, 128)  # reads the 2H concat
+    assert drafter.fc.weight.shape == (64, 192)
+
+
+# ---- parity with transformers --------------------------------------------------------------
+
+
+def test_layer_matches_transformers_llama_attention():
+    """q/k/v over the 2H concat are Llama attention at width 2H; o_proj writes the first H."""
+    torch.manual_seed(0)
+    target = build_tiny_target(vocab_size=VOCAB, **ARCHS["llama"])
+    drafter = Eagle3Drafter.from_target(target)
+    c, ours = drafter.config, drafter.midlayer
+    wide = LlamaConfig(hidden_size=2 * c.hidden_size, num_attention_heads=c.num_heads, head_dim=c.head_dim,
+                       num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta, attention_bias=False)
+    reference = LlamaAttention(wide, layer_idx=0).eval()
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(reference, name).weight.copy_(getattr(ours.self_attn, name).weight)
+        o = ours.self_attn.o_proj.weight
+        reference.o_proj.weight.copy_(torch.cat([o, torch.zeros_like(o)]))
+        for norm in (ours.hidden_norm, ours.input_layernorm, ours.post_attention_layernorm):
+            norm.weight.uniform_(0.5, 1.5)
+
+    T = 9
+    ids, hidden = torch.randint(0, VOCAB, (1, T)), torch.randn(1, T, c.hidden_size)
+    positions = torch.arange(T)[None]
+    causal = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        cos, sin = drafter.rotary_emb(hidden, positions)
+        x = torch.cat([ours.input_layernorm(drafter.embed_tokens(ids)), ours.hidden_norm(hidden)], -1)
+        attn, _ = reference(x, position_embeddings=(cos, sin), attention_mask=causal)
+        h = hidden + attn[..., : c.hidden_size]
+        expected = h + ours.mlp(ours.post_attention_layernorm(h))  # LlamaMLP itself
+        got = drafter.step(ids, hidden, positions, DraftKV())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_training_computes_what_chain_decoding_computes():
+    """TTT step i at index c == the (i+1)-th chain draft from context c, with the cache."""
+    torch.manual_seed(0)
+    target = peaky_target("qwen3")
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=128).eval()
+    ids = torch.randint(0, VOCAB, (2, 20))
+    hidden, _ = features(target, drafter, ids)
+    with torch.no_grad():
+        steps = drafter.ttt_logits(hidden, ids)
+        fused = drafter.fuse(hidden)
+        for b, c in ((0, 0), (1, 6), (0, 11)):
+            cache = DraftKV()
+            out = drafter.step(ids[b : b + 1, 1 : c + 2], fused[b : b + 1, : c + 1], torch.arange(c + 1)[None], cache)
+            out = out[:, -1:]
+            for i in range(drafter.config.ttt_length):
+                if i:
+                    out = drafter.step(ids[b : b + 1, c + 1 + i : c + 2 + i], out, torch.tensor([[c + i]]), cache)
+                torch.testing.assert_close(drafter.logits(out)[0, 0], steps[i][b, c], rtol=1e-4, atol=1e-5)
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def test_loss_goes_down_and_metrics_are_sane(trained):
+    _, _, drafter, _, history = trained
+    k = drafter.config.ttt_length
+    first, last = history[0], history[-1]
+    assert last[0] < 0.95 * first[0]
+    metrics = last[1]
+    assert set(metrics) == {*(f"loss_{j}" for j in range(1, k + 1)), *(f"acc_{j}" for j in range(1, k + 1)),
+                            "tau_est", "vocab_coverage"}
+    accs = [metrics[f"acc_{j}"] for j in range(1, k + 1)]
+    assert all(0.0 <= a <= 1.0 for a in accs) and metrics["vocab_coverage"] == 1.0
+    tau, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        tau += run
+    assert metrics["tau_est"] == pytest.approx(tau)
+    assert metrics["tau_est"] > first[1]["tau_est"] and metrics["tau_est"] > 1.3
+
+
+def test_draft_vocab_restricts_training_and_drafting():
+    target = peaky_target("llama")
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=16)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    hidden, logits = features(target, drafter, ids)
+    loss, metrics = drafter.loss(hidden, ids, logits, torch.ones_like(ids))
+    assert torch.isfinite(loss) and metrics["vocab_coverage"] < 1.0
+    proposer = Eagle3Proposer(drafter)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=4, eos_token_id=())
+    state = decoder.start(ids[0], 8, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    draft = proposer.propose(4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert draft.probs.shape == (4, VOCAB)
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(4))
+    assert float(draft.probs[:, ~drafter.t2d].sum()) == 0.0 and bool(drafter.t2d[draft.tokens].all())
+    assert state.generated  # the prefill's token
+
+
+# ---- export and reload -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_export_layout(trained, tmp_path, engine):
+    _, target, drafter, _, _ = trained
+    out = export_eagle3(drafter, tmp_path / engine, engine)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    c = drafter.config
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["num_hidden_layers"] == 1 and cfg["tie_word_embeddings"] is False
+    assert (cfg["vocab_size"], cfg["draft_vocab_size"], cfg["hidden_size"]) == (VOCAB, 192, c.hidden_size)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (
+        c.num_heads, c.num_kv_heads, c.head_dim)
+    assert "target_hidden_size" not in cfg  # equal to hidden_size
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": c.target_layer_ids,
+                                   "use_aux_hidden_state": True}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in c.target_layer_ids]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == EXPORT_NAMES
+    H, Ht = c.hidden_size, c.target_hidden_size
+    assert tensors["fc.weight"].shape == (H, 3 * Ht)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (c.num_heads * c.head_dim, 2 * H)
+    assert tensors["midlayer.self_attn.k_proj.weight"].shape == (c.num_kv_heads * c.head_dim, 2 * H)
+    assert tensors["midlayer.self_attn.o_proj.weight"].shape == (H, c.num_heads * c.head_dim)
+    assert tensors["lm_head.weight"].shape == (192, H)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(192) + tensors["d2t"], tensors["t2d"].nonzero().flatten())
+
+
+def _drafts(target, drafter, seqs, mode):
+    decoder = SpeculativeDecoder(target, Eagle3Proposer(drafter, mode=mode), num_draft=6, eos_token_id=())
+    state = decoder.start(seqs[0, :PROMPT], 16)
+    return decoder.drafter.propose(6, SamplingParams(), None), state
+
+
+def test_reload_gives_identical_drafts(trained, tmp_path):
+    _, target, drafter, seqs, _ = trained
+    hidden, _ = features(target, drafter, seqs[:1])
+    with torch.no_grad():
+        expected = drafter.ttt_logits(hidden, seqs[:1])
+    save_eagle3(drafter, tmp_path / "native")
+    export_eagle3(tmp_path / "native", tmp_path / "vllm", "vllm")  # from a native folder
+    export_eagle3(drafter, tmp_path / "sglang", "sglang")
+    reloaded = {
+        "native": load_eagle3(tmp_path / "native", target),
+        "sglang": load_eagle3_export(tmp_path / "sglang", target),
+        "vllm": load_eagle3_export(tmp_path / "vllm", target),
+    }
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "native" / "model.safetensors"))
+    for name, again in reloaded.items():
+        assert again.config == drafter.config, name
+        with torch.no_grad():
+            got = again.ttt_logits(hidden, seqs[:1])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
+        for mode in ("chain", "tree"):
+            a, _ = _drafts(target, drafter, seqs, mode)
+            b, _ = _drafts(target, again, seqs, mode)
+            assert torch.equal(a.tokens, b.tokens), (name, mode)
+
+
+def test_reload_refuses_disagreeing_layer_ids(trained, tmp_path):
+    _, target, drafter, _, _ = trained
+    out = export_eagle3(drafter, tmp_path / "x", "sglang")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DraftsmithError, match="vLLM's must be SGLang's \\+ 1"):
+        load_eagle3_export(out, target)
+    with pytest.raises(DraftsmithError, match="unknown engine"):
+        export_eagle3(drafter, tmp_path / "y", "trtllm")
+    assert not (tmp_path / "y").exists()
+
+
+# ---- lossless decoding -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_speculative_output_equals_generate(trained, mode):
+    arch, target, drafter, seqs, _ = trained
+    decoder = SpeculativeDecoder(target, Eagle3Proposer(drafter, mode=mode), num_draft=7, eos_token_id=())
+    passes = committed = 0
+    for row in seqs:
+        result = decoder.generate(row[:PROMPT], NEW)
+        assert torch.equal(result.tokens, row[PROMPT : PROMPT + NEW]), (arch, mode)
+        passes += result.stats.verify_passes
+        committed += result.stats.committed
+    assert committed > passes  # drafts were accepted, so acceptance and rollback both ran
+
+
+def _context_entries(target, drafter, prompt, first):
+    """The drafter's cache over a prompt and its output at the last prompt position."""
+    hidden, _ = features(target, drafter, prompt[None])
+    cache = DraftKV()
+    out = drafter.step(torch.cat([prompt[1:], first])[None], drafter.fuse(hidden), torch.arange(len(prompt))[None],
+                       cache)
+    return cache, out[:, -1:]
+
+
+def test_chain_drafts_are_the_drafters_greedy_path(trained):
+    _, target, drafter, seqs, _ = trained
+    draft, state = _drafts(target, drafter, seqs, "chain")
+    with torch.no_grad():
+        cache, out = _context_entries(target, drafter, seqs[0, :PROMPT], state.last)
+        expected = []
+        for d in range(len(draft)):
+            token = drafter.draft_to_target[drafter.logits(out)[0, -1].argmax()]
+            expected.append(int(token))
+            out = drafter.step(token.view(1, 1), out, torch.tensor([[PROMPT + d]]), cache)
+    assert draft.tokens.tolist() == expected
+
+
+def test_tree_scores_are_path_log_probabilities(trained):
+    """Every tree node's score, recomputed by decoding its path as a chain from scratch:
+    checks positions, tree attention masks and hidden-state threading of the expansion."""
+    _, target, drafter, seqs, _ = trained
+    proposer = Eagle3Proposer(drafter, mode="tree", topk=3, depth=4)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=12, eos_token_id=())
+    prompt = seqs[1, :PROMPT]
+    first = decoder.start(prompt, 16).last
+    nodes = proposer.grow_tree(12)
+    assert len(nodes) == 3 + 3 * 9 and max(nodes.depth) == 4
+    draft_index = torch.cumsum(drafter.t2d.long(), 0) - 1
+    with torch.no_grad():
+        context, root = _context_entries(target, drafter, prompt, first)
+        for n in range(len(nodes)):
+            path = [n]
+            while nodes.parent[path[-1]] >= 0:
+                path.append(nodes.parent[path[-1]])
+            cache, out, total = DraftKV(), root, 0.0
+            cache.keys, cache.values = context.keys, context.values
+            for d, m in enumerate(reversed(path)):
+                total += drafter.logits(out)[0, -1].float().log_softmax(-1)[draft_index[nodes.token[m]]].item()
+                out = drafter.step(torch.tensor([[nodes.token[m]]]), out, torch.tensor([[PROMPT + d]]), cache)
+            assert total == pytest.approx(nodes.score[n], abs=1e-4)
+
+
+def test_tree_is_a_bfs_tree_within_budget(trained):
+    _, target, drafter, seqs, _ = trained
+    draft, _ = _drafts(target, drafter, seqs, "tree")
+    parents = draft.parents.tolist()
+    assert len(draft) == 6 and all(p < i for i, p in enumerate(parents))
+    depth = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    assert depth == sorted(depth)
+    for p in set(parents):  # siblings are distinct tokens
+        kids = [int(draft.tokens[i]) for i, q in enumerate(parents) if q == p]
+        assert len(kids) == len(set(kids))

@@ -1,0 +1,87 @@
+"""`draftsmith eval` end to end on tiny trained runs: the report, the lossless check, and
+bad input that stops before anything is written."""
+
+import json
+
+import pytest
+
+from draftsmith.cli import main
+from draftsmith.train.loop import train
+from tiny_runs import tiny_recipe
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    train(tiny_recipe("mtp", root / "mtp", train__max_steps=30, train__eval_every=100, train__save_every=100))
+    train(tiny_recipe("draft_lm", root / "draft_lm", target__path=str(root / "mtp"), train__max_steps=20,
+                      train__eval_every=100, train__save_every=100, method__hidden_size=32, method__num_heads=2))
+    return root
+
+
+def eval_args(runs, out, *extra):
+    return ["eval", "--target", str(runs / "mtp"), "--out", str(out), "--num-prompts", "2",
+            "--max-new-tokens", "12", *extra]
+
+
+def test_report_compares_drafters_side_by_side(runs, tmp_path, capsys):
+    out = tmp_path / "report"
+    code = main(eval_args(runs, out, "--drafter", "ngram", "--drafter", f"draft_lm:{runs / 'draft_lm'}",
+                          "--drafter", f"mtp:{runs / 'mtp'}", "--num-draft", "3"))
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    names = [d["name"] for d in report["drafters"]]
+    assert names == ["ngram", "draft_lm", "mtp"]
+    for d in report["drafters"]:
+        assert 1.0 <= d["tau"] <= 4.0 and d["num_draft"] == 3
+        assert len(d["per_position_acceptance"]) == 3 and sum(d["accepted_length_hist"]) == d["verify_passes"]
+    # G = 4 query heads over 1 KV head: the tile rule would give 128 // 4 - 1 = 31.
+    assert report["target"]["G"] == 4
+    for prompt in report["prompts"]:
+        outs = prompt["outputs"]
+        assert outs["ngram"] == outs["baseline"] == outs["mtp"] == outs["draft_lm"]
+    printed = capsys.readouterr().out
+    assert "| ngram" in printed and "report.md" in printed
+    assert (out / "report.md").is_file() and (out / "acceptance.png").stat().st_size > 0
+
+
+def test_sampling_runs_and_reports(runs, tmp_path):
+    out = tmp_path / "sampled"
+    assert main(eval_args(runs, out, "--drafter", f"mtp:{runs / 'mtp'}", "--temperature", "1.0",
+                          "--num-draft", "2")) == 0
+    assert json.loads((out / "report.json").read_text())["settings"]["temperature"] == 1.0
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda r: ["--drafter", "medusa"], "unknown name 'medusa'"),
+    (lambda r: ["--drafter", f"mtp:{r / 'draft_lm'}"], "has no MTP modules"),
+    (lambda r: ["--drafter", "draft_lm"], "needs a path"),
+    (lambda r: ["--drafter", f"draft_lm:{r / 'nowhere'}"], "not found"),
+    (lambda r: ["--drafter", "ngram", "--max-new-tokens", "100000"], "exceeds the target's context"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, make_args, message):
+    out = tmp_path / "report"
+    assert main(eval_args(runs, out) + make_args(runs)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
+
+
+def test_bad_datasets_are_named(runs, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"question": "hi"}\n')
+    for data, message in ((empty, "empty"), (odd, "question")):
+        assert main(eval_args(runs, tmp_path / "r", "--drafter", "ngram", "--dataset", str(data))) == 2
+        err = capsys.readouterr().err
+        assert message in err and str(data) in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(runs, tmp_path, capsys):
+    other = tmp_path / "other"
+    train(tiny_recipe("draft_lm", other, target__path="", method__distill_weight=0.0, data__vocab_size=300,
+                      train__max_steps=1, method__hidden_size=32, method__num_heads=2))
+    assert main(eval_args(runs, tmp_path / "r", "--drafter", f"draft_lm:{other}")) == 2
+    assert "must share the target's tokenizer" in capsys.readouterr().err

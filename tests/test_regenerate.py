@@ -1,0 +1,128 @@
+import json
+
+import pytest
+import torch
+
+from draftsmith.data import regenerate as regen
+from draftsmith.data.corpus import load_embedded_corpus
+from draftsmith.data.regenerate import embedded_conversations, regenerate, regenerate_command, stop_token_ids
+from draftsmith.data.tokenizer import train_tokenizer
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import build_tiny_target
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "def add(a, b):"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "import os"},
+     {"role": "assistant", "content": "a human reply, to be replaced"}, {"role": "user", "content": "and sys?"}],
+    [{"role": "user", "content": "class A:"}],
+    [{"role": "user", "content": "for i in range(3):"}],
+    [{"role": "user", "content": "x = [1, 2,"}],
+]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(load_embedded_corpus("train", max_chars=150_000), vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    model = build_tiny_target(vocab_size=len(tokenizer), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1)
+    return model.eval()
+
+
+def greedy_reply(target, tokenizer, messages, plain=False):
+    """The target's own greedy continuation of one conversation, unbatched and unpadded."""
+    if plain:
+        ids = tokenizer("".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
+    else:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+    stops = stop_token_ids(target, tokenizer, plain=plain)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                          eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+    end = next((k for k, t in enumerate(out) if t in stops), len(out))
+    return tokenizer.decode(out[:end], skip_special_tokens=True)
+
+
+def read(path):
+    return [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+
+
+def test_greedy_replies_are_the_targets_turn_by_turn(target, tokenizer, tmp_path):
+    out = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "regen.jsonl", max_new_tokens=NEW_TOKENS,
+                     batch_size=3)
+    records = read(out)
+    assert len(records) == len(CONVERSATIONS) and not list(tmp_path.glob(".*partial"))
+    for original, record in zip(CONVERSATIONS, records):
+        asked = [m for m in original if m["role"] != "assistant"]
+        assert [m for m in record if m["role"] != "assistant"] == asked
+        # Every user turn is followed by the target's reply to the conversation so far.
+        for i, message in enumerate(record):
+            if message["role"] == "user":
+                assert record[i + 1]["role"] == "assistant"
+                assert record[i + 1]["content"] == greedy_reply(target, tokenizer, record[: i + 1])
+    assert records[1][3]["content"] != "a human reply, to be replaced"
+
+
+def test_embedded_prompts_are_continued_as_plain_text(target, tokenizer, tmp_path):
+    conversations = embedded_conversations(4, max_chars=200)
+    assert conversations == embedded_conversations(4, max_chars=200)
+    records = read(regenerate(target, tokenizer, conversations, tmp_path / "plain.jsonl",
+                              max_new_tokens=NEW_TOKENS, batch_size=4, plain=True))
+    for (prompt,), (user, reply) in zip(conversations, records):
+        assert user == prompt and reply["role"] == "assistant"
+        assert reply["content"] == greedy_reply(target, tokenizer, [prompt], plain=True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_resume_after_an_interruption_gives_the_same_file(target, tokenizer, tmp_path, monkeypatch, temperature):
+    settings = dict(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7, batch_size=2)
+    whole = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "whole.jsonl", **settings).read_bytes()
+
+    answer, calls = regen._answer, []
+
+    def interrupted(*args, **kwargs):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return answer(*args, **kwargs)
+
+    out = tmp_path / "resumed.jsonl"
+    monkeypatch.setattr(regen, "_answer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(target, tokenizer, CONVERSATIONS, out, **settings)
+    (partial,) = tmp_path.glob(".resumed.jsonl.*.partial")
+    assert not out.exists() and len(partial.read_text().splitlines()) == 4
+    with partial.open("a") as handle:  # a record the interruption cut short
+        handle.write('{"messages": [{"role": "us')
+
+    monkeypatch.setattr(regen, "_answer", answer)
+    assert regenerate(target, tokenizer, CONVERSATIONS, out, **settings).read_bytes() == whole
+    assert not partial.exists()
+
+
+def test_bad_inputs(target, tokenizer, tmp_path):
+    with pytest.raises(DraftsmithError, match="conversation 1 has no user turn"):
+        regenerate(target, tokenizer, [CONVERSATIONS[0], [{"role": "system", "content": "hi"}]], tmp_path / "x.jsonl")
+    with pytest.raises(DraftsmithError, match="temperature"):
+        regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", temperature=-1)
+    with pytest.raises(DraftsmithError, match="no conversations"):
+        regenerate(target, tokenizer, [], tmp_path / "x.jsonl")
+
+
+def test_command_answers_a_conversation_file(target, tokenizer, tmp_path):
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    dataset = tmp_path / "bench.jsonl"
+    dataset.write_text('{"turns": ["def f():", "and g?"]}\n{"prompt": "import re"}\n{"prompt": "unused"}\n')
+    out = regenerate_command(str(tmp_path / "target"), str(dataset), str(tmp_path / "out.jsonl"),
+                             max_new_tokens=NEW_TOKENS, limit=2)
+    records = read(out)
+    assert [[m["role"] for m in r] for r in records] == [["user", "assistant"] * 2, ["user", "assistant"]]
+    assert records[1][1]["content"] == greedy_reply(target, tokenizer, records[1][:1])
+    with pytest.raises(DraftsmithError, match="cannot load the tokenizer"):
+        (tmp_path / "bare").mkdir()
+        target.save_pretrained(tmp_path / "bare")
+        regenerate_command(str(tmp_path / "bare"), None, str(tmp_path / "y.jsonl"))

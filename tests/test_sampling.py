@@ -1,0 +1,180 @@
+"""Logits processing and the acceptance rules, on synthetic distributions.
+
+The losslessness checks draw many two-token outcomes (y1, y2) from a synthetic "target"
+p(y1) p(y2 | y1) through one verify step and compare their joint histogram with the
+exact joint by a chi-square test. When the step commits a single token, y2 is drawn
+from the target directly, as the next step would.
+"""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from decoding_helpers import chi2_pvalue
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.drafter import SamplingParams
+from draftsmith.eval.sampling import (
+    accept_chain_greedy,
+    accept_chain_sampled,
+    accept_tree_greedy,
+    accept_tree_sampled,
+    process_logits,
+    residual,
+    sample,
+)
+
+V = 5
+TRIALS = 6000
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 7, 1.0), (1.0, 0, 0.8), (1.3, 20, 0.6)])
+def test_process_logits_matches_transformers(temperature, top_k, top_p):
+    logits = torch.randn(6, 50) * 3
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    expected = warpers(None, logits.clone()).softmax(-1)
+    got = process_logits(logits, SamplingParams(temperature, top_k, top_p))
+    torch.testing.assert_close(got, expected)
+    assert (got > 0).sum(-1).min() >= 1
+
+
+def test_bad_sampling_params_are_refused():
+    for kwargs in ({"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(DraftsmithError):
+            SamplingParams(**kwargs)
+
+
+def test_residual_when_p_equals_q_falls_back_to_p():
+    p = torch.tensor([0.5, 0.25, 0.25, 0.0])
+    torch.testing.assert_close(residual(p, p.clone()), p)
+    r = residual(p, torch.tensor([0.25, 0.25, 0.25, 0.25]))
+    torch.testing.assert_close(r, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert not torch.isnan(residual(torch.zeros(4), torch.zeros(4))).any()
+
+
+def test_chain_with_p_equal_q_accepts_every_draft():
+    gen = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(4, 16, generator=gen), -1)
+    for _ in range(300):
+        drafts = sample(p[:3], gen)
+        accepted, bonus = accept_chain_sampled(p, drafts, p[:3].clone(), gen)
+        assert accepted == 3 and 0 <= int(bonus) < 16
+
+
+def test_greedy_acceptance():
+    assert accept_chain_greedy([4, 5, 6, 7], [4, 5, 9]) == 2
+    assert accept_chain_greedy([4, 5, 6, 7], [4, 5, 6]) == 3
+    assert accept_chain_greedy([4], []) == 0
+    # root children: nodes 0 (tok 3), 1 (tok 4); node 1's children: 2 (tok 8), 3 (tok 9)
+    tokens, children = [3, 4, 8, 9], [[0, 1], [], [2, 3], [], []]
+    assert accept_tree_greedy([4, 0, 9, 0, 0], tokens, children) == [1, 3]
+    assert accept_tree_greedy([4, 0, 7, 0, 0], tokens, children) == [1]
+    assert accept_tree_greedy([5, 0, 9, 0, 0], tokens, children) == []
+
+
+# ---- losslessness under sampling ---------------------------------------------------
+
+
+def _world(seed: int, sharp: float = 2.0):
+    """A target p1, p2[y1] and a different draft q1, q2[y1] over V tokens; q puts zero
+    mass on a token p likes and p on one q likes, so both residual cases occur."""
+    g = torch.Generator().manual_seed(seed)
+    p1 = torch.softmax(torch.randn(V, generator=g) * sharp, -1)
+    p2 = torch.softmax(torch.randn(V, V, generator=g) * sharp, -1)
+    q1 = torch.softmax(torch.randn(V, generator=g) * sharp, -1)
+    q2 = torch.softmax(torch.randn(V, V, generator=g) * sharp, -1)
+    p1[0], q1[1] = 0.0, 0.0
+    return p1 / p1.sum(), p2, q1 / q1.sum(), q2
+
+
+def _joint(p1, p2):
+    return (p1[:, None] * p2).flatten()
+
+
+def _finish(committed: list[int], p2, gen) -> int:
+    y1 = committed[0]
+    y2 = committed[1] if len(committed) > 1 else int(sample(p2[y1], gen))
+    return y1 * V + y2
+
+
+UNIFORM = torch.full((V,), 1.0 / V)
+
+
+@pytest.mark.parametrize("case", ["q differs", "p equals q", "one-hot drafts"])
+def test_chain_sampling_is_lossless(case):
+    p1, p2, q1, q2 = _world(0)
+    if case == "p equals q":
+        q1, q2 = p1.clone(), p2.clone()
+    gen = torch.Generator().manual_seed(2)
+    outcomes = []
+    for _ in range(TRIALS):
+        if case == "one-hot drafts":  # a deterministic drafter: its argmax, q = None
+            d1 = int(q1.argmax())
+            d2 = int(q2[d1].argmax())
+            q = None
+        else:
+            d1 = int(sample(q1, gen))
+            d2 = int(sample(q2[d1], gen))
+            q = torch.stack([q1, q2[d1]])
+        p = torch.stack([p1, p2[d1], UNIFORM])
+        a, bonus = accept_chain_sampled(p, torch.tensor([d1, d2]), q, gen)
+        outcomes.append(_finish([d1, d2][:a] + [int(bonus)], p2, gen))
+    assert chi2_pvalue(outcomes, _joint(p1, p2)) > 1e-3
+
+
+def _tree_trial(p1, p2, q1, q2, mode: str, gen):
+    """Root gets 3 children, each child 2 children, BFS; returns the (y1, y2) outcome."""
+
+    def siblings(q, n):
+        if mode == "deterministic":
+            return q.topk(n).indices.tolist(), [None] * n
+        if mode == "iid":
+            return torch.multinomial(q, n, replacement=True, generator=gen).tolist(), [q] * n
+        # without replacement: sibling j was drawn from q without the earlier ones
+        tokens, dists, rest = [], [], q.clone()
+        for _ in range(n):
+            dist = rest / rest.sum()
+            t = int(torch.multinomial(dist, 1, generator=gen))
+            tokens.append(t)
+            dists.append(q if mode == "lying" else dist)
+            rest[t] = 0.0
+        return tokens, dists
+
+    tokens, dists = siblings(q1, 3)
+    rows = [p1] + [p2[t] for t in tokens]
+    children = [[0, 1, 2]]
+    for i, t in enumerate(list(tokens)):
+        kid_tokens, kid_dists = siblings(q2[t], 2)
+        children.append([len(tokens), len(tokens) + 1])
+        tokens += kid_tokens
+        dists += kid_dists
+    rows += [UNIFORM] * 6
+    children += [[] for _ in range(6)]
+    q = None if mode == "deterministic" else torch.stack(dists)
+    path, bonus = accept_tree_sampled(torch.stack(rows), tokens, children, q, gen)
+    return _finish([tokens[c] for c in path] + [int(bonus)], p2, gen)
+
+
+@pytest.mark.parametrize("mode", ["iid", "without replacement", "deterministic"])
+def test_tree_sampling_is_lossless(mode):
+    p1, p2, q1, q2 = _world(3)
+    gen = torch.Generator().manual_seed(4)
+    outcomes = [_tree_trial(p1, p2, q1, q2, mode, gen) for _ in range(TRIALS)]
+    assert chi2_pvalue(outcomes, _joint(p1, p2)) > 1e-3
+
+
+def test_a_drafter_misreporting_q_is_caught():
+    """The check has teeth: siblings drawn without replacement but reported as i.i.d.
+    draws from q bias the output, and the chi-square test sees it."""
+    p1, p2, q1, q2 = _world(3, sharp=3.0)
+    gen = torch.Generator().manual_seed(4)
+    outcomes = [_tree_trial(p1, p2, q1, q2, "lying", gen) for _ in range(TRIALS)]
+    assert chi2_pvalue(outcomes, _joint(p1, p2)) < 1e-6
