@@ -36,6 +36,16 @@ def _eval(args) -> None:
     print_summary(evaluate(args.target, settings, args.out), args.out)
 
 
+def _regenerate(args) -> None:
+    from draftsmith.data.regenerate import regenerate_command
+    from draftsmith.models.target import resolve_model_dir
+
+    out = regenerate_command(str(resolve_model_dir(args.target)), args.dataset, args.out,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             batch_size=args.batch_size, limit=args.limit, seed=args.seed)
+    print(f"wrote {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -67,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile", type=int, default=128)
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
     p.set_defaults(run=_eval)
+
+    data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True,
+                                                                          metavar="STEP")
+    p = data.add_parser("regenerate", help="answer a dataset's prompts with the target itself (resumable)")
+    p.add_argument("--target", required=True, help="a model folder or a training run folder")
+    p.add_argument("--dataset", default=None, help="conversations jsonl; omitted: embedded corpus prompts")
+    p.add_argument("--out", required=True, help="the jsonl to write (OpenAI messages shape)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampled")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=None, help="at most this many conversations")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_regenerate)
     return parser
 
 

@@ -18,6 +18,7 @@ from draftsmith.eval.drafter import SamplingParams
 from draftsmith.eval.drafters import load_drafter, parse_spec
 from draftsmith.eval.report import format_table, speedup_bound, write_report
 from draftsmith.eval.tile import plan_tile, read_target_config
+from draftsmith.models.target import resolve_model_dir
 
 
 @dataclass
@@ -36,9 +37,7 @@ class EvalSettings:
 
 
 def target_dir(path: str | Path) -> Path:
-    folder = Path(path)
-    if (folder / "model" / "config.json").is_file():
-        return folder / "model"
+    folder = Path(resolve_model_dir(path))
     if not (folder / "config.json").is_file():
         raise DraftsmithError(f"target {path}: no config.json (a model folder or a training run folder)")
     return folder

@@ -192,6 +192,14 @@ def build_tiny_target(seed: int = 0, **config_kwargs) -> nn.Module:
     return model
 
 
+def resolve_model_dir(path: str | Path) -> Path | str:
+    """A training run folder stands for the model it wrote (RUN/model); a hub name stays."""
+    local = Path(path)
+    if (local / "model" / "config.json").is_file():
+        return local / "model"
+    return local if local.exists() else str(path)
+
+
 def load_target(path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
                 attn_implementation: str | None = None) -> nn.Module:
     """Load a frozen Hugging Face causal LM from a folder (or a hub name when online)."""

@@ -190,7 +190,7 @@ def _exact_two_token_joint(target, prefix, sampling):
     return (p1[:, None] * p2).flatten()
 
 
-SAMPLES = 800
+SAMPLES = 600
 
 
 @pytest.mark.parametrize("drafter", ["draft-lm", "iid-tree"])

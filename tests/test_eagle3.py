@@ -321,17 +321,20 @@ def _context_entries(target, drafter, prompt, first):
     return cache, out[:, -1:]
 
 
-def test_chain_drafts_are_the_drafters_greedy_path(trained):
+def test_chain_drafts_follow_the_drafter_step_by_step(trained):
+    """Sampled chain drafts: each recorded q equals the drafter's distribution after the
+    drafts before it, recomputed by hand (positions, cache and hidden threading)."""
     _, target, drafter, seqs, _ = trained
-    draft, state = _drafts(target, drafter, seqs, "chain")
+    proposer = Eagle3Proposer(drafter)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=6, eos_token_id=())
+    first = decoder.start(seqs[2, :PROMPT], 16).last
+    draft = proposer.propose(6, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
     with torch.no_grad():
-        cache, out = _context_entries(target, drafter, seqs[0, :PROMPT], state.last)
-        expected = []
-        for d in range(len(draft)):
-            token = drafter.draft_to_target[drafter.logits(out)[0, -1].argmax()]
-            expected.append(int(token))
+        cache, out = _context_entries(target, drafter, seqs[2, :PROMPT], first)
+        for d, token in enumerate(draft.tokens):
+            q = torch.zeros(VOCAB).index_copy_(0, drafter.draft_to_target, drafter.logits(out)[0, -1].softmax(-1))
+            torch.testing.assert_close(draft.probs[d], q)
             out = drafter.step(token.view(1, 1), out, torch.tensor([[PROMPT + d]]), cache)
-    assert draft.tokens.tolist() == expected
 
 
 def test_tree_scores_are_path_log_probabilities(trained):

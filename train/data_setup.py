@@ -6,18 +6,9 @@ an existing target uses that target's tokenizer, so drafts and target share ids.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import resolve_model_dir
 from draftsmith.recipe import Recipe
-
-
-def resolve_model_dir(path: str | Path) -> Path | str:
-    """A training run folder stands for the model it wrote (RUN/model)."""
-    local = Path(path)
-    if (local / "model" / "config.json").is_file():
-        return local / "model"
-    return path if not local.exists() else local
 
 
 def load_tokenizer(recipe: Recipe):

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.draft_lm import distill_kl
-from draftsmith.models.target import build_tiny_target, load_target
-from draftsmith.train.data_setup import load_tokenizer, packed_corpus, resolve_model_dir
+from draftsmith.models.target import build_tiny_target, load_target, resolve_model_dir
+from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.methods import TrainMethod
 
 

@@ -11,8 +11,8 @@ from torch import nn
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.export import save_mtp
 from draftsmith.models.mtp import MTPHeads, mtp_forward, mtp_losses
-from draftsmith.models.target import build_tiny_target, target_forward
-from draftsmith.train.data_setup import load_tokenizer, packed_corpus, resolve_model_dir
+from draftsmith.models.target import build_tiny_target, resolve_model_dir, target_forward
+from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.methods import TrainMethod
 
 
