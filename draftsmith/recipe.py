@@ -56,6 +56,7 @@ class DataSection:
     vocab_size: int = 2048  # vocabulary of the tokenizer trained for the embedded default
     max_chars: int = 0  # cap on the corpus characters read (0: all)
     num_conversations: int = 256  # post-hoc methods on the embedded default: prompts to regenerate
+    prompt_chars: int = 384  # ... each an excerpt of this many characters (keep within train.seq_len)
     regenerate: bool = True  # post-hoc methods: answer the prompts with the target itself
     regen_max_new_tokens: int = 96
     regen_temperature: float = 0.0

@@ -14,20 +14,18 @@ early stops and the verify rows they saved (`stats()`).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.drafter import Draft, SamplingParams, TargetContext
 from draftsmith.eval.sampling import process_logits, sample
-from draftsmith.fsutil import read_json
-from draftsmith.models.dflash import ContextCache, DFlashDrafter, concat_layers
+from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
 from draftsmith.models.dspark import DSparkDrafter
 
 
 class DFlashDecodeDrafter:
     def __init__(self, drafter: DFlashDrafter, target, name: str = "dflash"):
+        check_target(drafter, target)
         self.name = name
         self.drafter = drafter.eval()
         self.embed = target.get_input_embeddings()
@@ -51,7 +49,7 @@ class DFlashDecodeDrafter:
             features = concat_layers(ctx.hidden, self.drafter.config.target_layer_ids)[None]
             self.cache.extend(self.drafter, features.to(self.device), ctx.start)
 
-    def _block(self, max_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_block(self, max_nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prediction-slot hidden [1, n, H] and the head's logits [1, n, V] of one block."""
         n = min(max_nodes, self.drafter.drafts_per_block)
         hidden = self.drafter.decode_hidden(self.last, self.cache, self.embed)[:, :n]
@@ -61,7 +59,7 @@ class DFlashDecodeDrafter:
     def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         if max_nodes <= 0:
             return Draft.empty(self.device)
-        logits = self._block(max_nodes)[1][0]
+        logits = self.draft_block(max_nodes)[1][0]
         if sampling.greedy:
             return Draft(logits.argmax(-1))
         probs = process_logits(logits, sampling)
@@ -85,7 +83,7 @@ class DSparkDecodeDrafter(DFlashDecodeDrafter):
     def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         if max_nodes <= 0:
             return Draft.empty(self.device)
-        hidden, base = self._block(max_nodes)
+        hidden, base = self.draft_block(max_nodes)
         probs: list[torch.Tensor] = []
 
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -112,24 +110,11 @@ class DSparkDecodeDrafter(DFlashDecodeDrafter):
         }
 
 
-def open_block_drafter(path: str | Path, target, **kwargs) -> DFlashDecodeDrafter:
-    """The decode adapter of a DFlash or DSpark checkpoint in any of our formats (native,
-    z-lab, DSpark), told apart by its config.json."""
-    from draftsmith.models.export_dflash import (
-        DFLASH_ARCH, DSPARK_ARCH, load_dflash_zlab, load_dspark, load_native_drafter,
-    )
+def load_drafter(path, target, method: str = "dflash", **options) -> DFlashDecodeDrafter:
+    """The decode adapter of a DFlash or DSpark checkpoint (a training run's native model/
+    folder, or a z-lab / DSpark export); `method` must be what the checkpoint holds."""
+    from draftsmith.models.export_dflash import load_block_drafter
 
-    meta = read_json(Path(path) / "config.json")
-    arch = (meta.get("architectures") or [None])[0]
-    if meta.get("format") == "draftsmith" and meta.get("method") in ("dflash", "dspark"):
-        drafter = load_native_drafter(path, meta["method"])
-    elif arch == DFLASH_ARCH:
-        drafter = load_dflash_zlab(path)
-    elif arch == DSPARK_ARCH:
-        drafter = load_dspark(path)
-    else:
-        raise DraftsmithError(f"{path} is not a DFlash or DSpark checkpoint (architectures {meta.get('architectures')!r})")
-    drafter.to(next(target.parameters()).device)
-    if isinstance(drafter, DSparkDrafter):
-        return DSparkDecodeDrafter(drafter, target, **kwargs)
-    return DFlashDecodeDrafter(drafter, target, **kwargs)
+    drafter = load_block_drafter(path, method).to(next(target.parameters()).device)
+    adapter = DSparkDecodeDrafter if method == "dspark" else DFlashDecodeDrafter
+    return adapter(drafter, target, name=method, **options)

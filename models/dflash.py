@@ -23,7 +23,6 @@ slot j, so the anchor slot only conditions and B inputs give B - 1 drafts; DSpar
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -176,7 +175,9 @@ class DFlashConfig:
                 f"to spread {len(self.target_layer_ids)}); set target_layer_ids or fewer num_layers"
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise DraftsmithError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})")
+            raise DraftsmithError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise DraftsmithError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.gamma is None:
@@ -293,7 +294,7 @@ class DFlashDrafter(nn.Module):
     def drafts_per_block(self) -> int:
         return self.config.drafts_per_block
 
-    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         """Per-layer context K/V of target features [B, T, n*H_t] at positions [B, T]."""
         ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         cos, sin = self.rotary_emb(ctx, positions)
@@ -364,7 +365,8 @@ class Blocks:
     prev_tokens: torch.Tensor  # [B, N, drafts] the true token before each draft (teacher forcing)
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Up to `num_anchors` distinct random anchors per row, sorted; -1 pads short rows.
 
     An anchor a is a loss-masked position whose next token is loss-masked too, so that
@@ -381,7 +383,8 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors.masked_fill(anchors > valid.shape[1], -1)
 
 
-def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, config: DFlashConfig) -> Blocks:
+def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                config: DFlashConfig) -> Blocks:
     """The training blocks of given anchors [B, N] (-1: padding)."""
     seq = input_ids.shape[1]
     drafts, size = config.drafts_per_block, config.block_size
@@ -472,7 +475,8 @@ class ContextCache:
         if not self.layers:
             self.layers = new
         else:
-            self.layers = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.layers, new)]
+            self.layers = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                           for (k, v), (nk, nv) in zip(self.layers, new)]
 
 
 def concat_layers(hidden: dict[int, torch.Tensor], layer_ids: list[int]) -> torch.Tensor:
@@ -481,3 +485,13 @@ def concat_layers(hidden: dict[int, torch.Tensor], layer_ids: list[int]) -> torc
     if missing:
         raise DraftsmithError(f"target hidden states of layer(s) {missing} were not captured")
     return torch.cat([hidden[i] for i in layer_ids], dim=-1)
+
+
+def check_target(drafter: DFlashDrafter, target) -> None:
+    """A drafter trained for another target fails here in one line, not deep in a matmul."""
+    c, t = drafter.config, target.config
+    for what, want, got in (("layers", c.num_target_layers, t.num_hidden_layers),
+                            ("hidden size", c.target_hidden_size, t.hidden_size),
+                            ("vocabulary", c.vocab_size, t.vocab_size)):
+        if want != got:
+            raise DraftsmithError(f"this drafter was built for a target with {what} {want}, the target has {got}")

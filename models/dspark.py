@@ -52,6 +52,10 @@ class DSparkConfig(DFlashConfig):
     # this; 0 drafts the full block.
     confidence_threshold: float = 0.05
     block_convention: str = ANCHOR_IS_FIRST_PREDICTION
+    # Training on a trained DFlash backbone: its run or native folder ("" = from scratch),
+    # and whether to keep it frozen and train only the refiner and confidence head.
+    backbone: str = ""
+    freeze_backbone: bool = False
 
     @property
     def first_prediction_slot(self) -> int:
@@ -122,7 +126,9 @@ class DSparkDrafter(DFlashDrafter):
         drafter = cls(DSparkConfig(**fields)).to(device=weight.device, dtype=weight.dtype)
         missing, unexpected = drafter.load_state_dict(dflash.state_dict(), strict=False)
         if unexpected or any(not name.startswith(HEADS) for name in missing):
-            raise DraftsmithError(f"DFlash backbone does not fit DSpark (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise DraftsmithError(
+                f"DFlash backbone does not fit DSpark (missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
         if freeze_backbone:
             drafter.freeze_backbone()
         return drafter
@@ -133,7 +139,8 @@ class DSparkDrafter(DFlashDrafter):
             if not name.startswith(HEADS):
                 param.requires_grad_(False)
 
-    def refined_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor, refiner: bool = True) -> torch.Tensor:
+    def refined_logits(self, base_logits: torch.Tensor, prev_tokens: torch.Tensor,
+                       refiner: bool = True) -> torch.Tensor:
         """Draft logits given the token before each draft; `refiner=False`: the backbone's."""
         if not refiner:
             return base_logits
@@ -194,7 +201,7 @@ class DSparkDrafter(DFlashDrafter):
         confidence = self.confidence_logits(hidden, blocks.prev_tokens).float()
         bce = F.binary_cross_entropy_with_logits(confidence, accept, reduction="none")
 
-        parts = {"ce": weighted_mean(ce, weights), "tv": weighted_mean(tv, weights), "bce": weighted_mean(bce, weights)}
+        parts = {name: weighted_mean(value, weights) for name, value in (("ce", ce), ("tv", tv), ("bce", bce))}
         loss = cfg.ce_weight * parts["ce"] + cfg.tv_weight * parts["tv"] + cfg.bce_weight * parts["bce"]
         metrics = {name: float(value.detach()) for name, value in parts.items()}
         metrics.update(greedy_metrics(logits.argmax(-1), blocks))

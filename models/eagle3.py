@@ -6,7 +6,7 @@ is `fc` of the target's three captured layer outputs at p (ascending layer order
 order in which SGLang and vLLM capture them) for committed positions, or the drafter's
 own output at the previous step while it drafts. Its one layer (`midlayer`) is
 
-    a   = self_attn(concat(input_layernorm(embed(x_{p+1})), hidden_norm(hidden_p)))  # q, k, v: 2H -> .
+    a   = self_attn(concat(input_layernorm(embed(x_{p+1})), hidden_norm(hidden_p)))  # q, k, v read 2H
     h   = hidden_p + a                                      # the residual is the unnormalised hidden
     out = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(out))                             # over the draft vocabulary
@@ -22,7 +22,7 @@ Module names are the SGLang/vLLM checkpoint names (`midlayer.self_attn.q_proj`, 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,26 +63,63 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 @dataclass
 class Eagle3Config:
-    hidden_size: int
-    target_hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_layer_ids: list[int] = field(default_factory=list)  # output-of-layer ids, 0-based, ascending
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
+    """Fields left None are derived from the target by `from_target` (a recipe sets only
+    the keys it names); `resolve` then refuses anything missing or inconsistent."""
+
+    hidden_size: int | None = None  # = the target's: the embedding is shared
+    target_hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None  # the target's
+    draft_vocab_size: int | None = None  # default min(vocab, 32000), the usual size for 128k-152k vocabularies
+    target_layer_ids: list[int] | None = None  # output-of-layer ids, 0-based; default_layer_ids
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+    max_position_embeddings: int | None = None
     ttt_length: int = 7
     ttt_decay: float = 0.8
 
-    def __post_init__(self):
+    @classmethod
+    def from_target(cls, target, **overrides) -> "Eagle3Config":
+        """A drafter as wide as the target (model or config); non-None overrides win."""
+        config = getattr(target, "config", target)
+        shape = target_shape(config)
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise DraftsmithError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}")
+        rope = getattr(config, "rope_parameters", None) or {}
+        derived = dict(
+            hidden_size=shape.hidden_size,
+            target_hidden_size=shape.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=shape.vocab_size,
+            draft_vocab_size=min(shape.vocab_size, 32000),
+            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+        chosen = {k: v for k, v in overrides.items() if v is not None}
+        if "target_layer_ids" not in chosen:
+            chosen["target_layer_ids"] = default_layer_ids(shape.num_layers)
+        made = cls(**{**derived, **chosen}).resolve()
+        check_target_fits(made, config)
+        return made
+
+    def resolve(self) -> "Eagle3Config":
+        """Check the config is complete and consistent (one-line errors); returns self."""
+        missing = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
+        if missing:
+            raise DraftsmithError(f"{type(self).__name__}: {', '.join(missing)} not set (build it with from_target)")
         ids = sorted(int(i) for i in self.target_layer_ids)
         if len(set(ids)) != NUM_FUSED_LAYERS or ids[0] < 0:
             raise DraftsmithError(
-                f"EAGLE-3 target_layer_ids must be {NUM_FUSED_LAYERS} distinct layer ids >= 0, got {self.target_layer_ids}"
+                f"EAGLE-3 target_layer_ids must be {NUM_FUSED_LAYERS} distinct layer ids >= 0, "
+                f"got {self.target_layer_ids}"
             )
         self.target_layer_ids = ids  # engines concatenate in ascending layer order whatever the list says
         if self.hidden_size != self.target_hidden_size:
@@ -92,42 +129,18 @@ class Eagle3Config:
             )
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise DraftsmithError(
-                f"draft vocabulary of {self.draft_vocab_size} tokens does not fit the target vocabulary of {self.vocab_size}"
+                f"draft vocabulary of {self.draft_vocab_size} tokens does not fit "
+                f"the target vocabulary of {self.vocab_size}"
             )
         if self.num_heads % self.num_kv_heads:
-            raise DraftsmithError(f"EAGLE-3 num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise DraftsmithError(
+                f"EAGLE-3 num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.ttt_length < 1 or not 0.0 < self.ttt_decay <= 1.0:
             raise DraftsmithError(
                 f"EAGLE-3 ttt_length must be >= 1 and ttt_decay in (0, 1], got {self.ttt_length} and {self.ttt_decay}"
             )
-
-    @classmethod
-    def from_target(cls, target, **overrides) -> "Eagle3Config":
-        """A drafter as wide as the target (model or config); fields may be overridden."""
-        config = getattr(target, "config", target)
-        shape = target_shape(config)
-        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise DraftsmithError(f"EAGLE-3 config: unknown key(s) {', '.join(unknown)}")
-        rope = getattr(config, "rope_parameters", None) or {}
-        fields = dict(
-            hidden_size=shape.hidden_size,
-            target_hidden_size=shape.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-            vocab_size=shape.vocab_size,
-            draft_vocab_size=min(shape.vocab_size, 32000),  # the usual size for 128k-152k vocabularies
-            target_layer_ids=default_layer_ids(shape.num_layers),
-            rms_norm_eps=getattr(config, "rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            max_position_embeddings=config.max_position_embeddings,
-        )
-        fields.update(overrides)
-        made = cls(**fields)
-        check_target_fits(made, config)
-        return made
+        return self
 
     def llama_config(self) -> LlamaConfig:
         """The transformers config of the building blocks we reuse (and of the export)."""
@@ -202,8 +215,8 @@ class Eagle3Layer(nn.Module):
 
 def attend(q, k, v, visible, own_k=(), own_v=()) -> torch.Tensor:
     """Softmax attention of q [B, h, Q, d] over keys k/v [B, kv, L, d] where `visible`
-    [B or 1, 1, Q, L] (bool) is True, plus, for TTT, one extra key per earlier unrolled
-    step at the query's own index (`own_k[j]` [B, kv, Q, d], always visible).
+    [B or 1, 1, Q, L] (bool) is True, plus, for TTT, the keys of unrolled steps 1..i at
+    the query's own index (`own_k[j]` [B, kv, Q, d], always visible; the last is its own).
     Returns [B, Q, h * d]."""
     groups = q.shape[1] // k.shape[1]
     scale = q.shape[-1] ** -0.5
@@ -241,7 +254,7 @@ class DraftKV:
 class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        self.config = c = config
+        self.config = c = config.resolve()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's; set by copy_target_embedding
         self.fc = nn.Linear(NUM_FUSED_LAYERS * c.target_hidden_size, c.hidden_size, bias=False)
@@ -268,7 +281,7 @@ class Eagle3Drafter(nn.Module):
 
     def set_draft_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a vocabulary from `data.draft_vocab.build_draft_vocab`, checked for consistency."""
-        d2t, t2d = torch.as_tensor(d2t, dtype=torch.long), torch.as_tensor(t2d, dtype=torch.bool)
+        d2t, t2d = torch.as_tensor(d2t).long().cpu(), torch.as_tensor(t2d).bool().cpu()
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
             raise DraftsmithError(
                 f"draft vocabulary maps of sizes {d2t.numel()}/{t2d.numel()} do not fit "
@@ -338,13 +351,19 @@ class Eagle3Drafter(nn.Module):
             steps.append(self.logits(hidden))
         return steps
 
+    def forward(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None):
+        """The training step is a forward, so that DDP/FSDP/ZeRO wrappers see it: call the
+        wrapped module as `model(...)`; unwrapped, `loss(...)` is the same call."""
+        return self.loss(target_hidden, input_ids, target_logits, loss_mask, attention_mask)
+
     def loss(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None):
         """TTT loss over `ttt_length` unrolled steps -> (loss, metrics).
 
         Inputs all come from one target forward over `input_ids` [B, T]: target_hidden
         [B, T, 3 * H_t], target_logits [B, T, V]; loss_mask [B, T] marks the tokens to
-        learn to predict (assistant tokens); attention_mask [B, T] marks real tokens
-        (right padding: positions are 0..T-1).
+        learn to predict (assistant tokens); attention_mask [B, T] marks real tokens (pads
+        are hidden from attention; positions are 0..T-1, as in a target forward given no
+        position ids).
 
         Alignment. Drafter index t, step i (0-based) is the i-th draft of a chain whose
         committed context ends at position t: it reads (hidden, token x_{t+1+i}) at RoPE
@@ -368,25 +387,26 @@ class Eagle3Drafter(nn.Module):
         length = input_ids.shape[1]
         steps = self.ttt_logits(target_hidden, input_ids, attention_mask)
         draft_ids = self.draft_to_target
-        target_top = target_logits.argmax(-1)
+        with torch.no_grad():
+            teacher = target_logits[..., draft_ids].float().softmax(-1)  # [B, T, V_d]
+            target_top = target_logits.argmax(-1)
+            reachable = self.t2d[target_top]
         learn = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
         total = target_hidden.new_zeros((), dtype=torch.float32)
         step_losses, step_accs = [], []
         for i, logits in enumerate(steps):
             n = max(length - 2 - i, 0)  # indices t whose label x_{t+2+i} is inside the sequence
             mask = learn[:, 2 + i : 2 + i + n]
-            top = target_top[:, 1 + i : 1 + i + n]
-            reachable = mask & self.t2d[top]
-            teacher = target_logits[:, 1 + i : 1 + i + n, draft_ids].float().softmax(-1)
+            trained = mask & reachable[:, 1 + i : 1 + i + n]
             pred = logits[:, :n].float()
-            ce = -(teacher * pred.log_softmax(-1)).sum(-1)
-            step_loss = (ce * reachable).sum() / reachable.sum().clamp(min=1)
+            ce = -(teacher[:, 1 + i : 1 + i + n] * pred.log_softmax(-1)).sum(-1)
+            step_loss = (ce * trained).sum() / trained.sum().clamp(min=1)
             total = total + self.config.ttt_decay**i * step_loss
             step_losses.append(step_loss.detach())
-            hits = (draft_ids[pred.argmax(-1)] == top) & mask
+            hits = (draft_ids[pred.argmax(-1)] == target_top[:, 1 + i : 1 + i + n]) & mask
             step_accs.append(hits.sum() / mask.sum().clamp(min=1))
         first = learn[:, 2:]
-        coverage = (first & self.t2d[target_top[:, 1:-1]]).sum() / first.sum().clamp(min=1)
+        coverage = (first & reachable[:, 1:-1]).sum() / first.sum().clamp(min=1)
         values = torch.stack(step_losses + step_accs + [coverage]).tolist()  # one device sync
         k = len(steps)
         metrics = {f"loss_{j + 1}": values[j] for j in range(k)}

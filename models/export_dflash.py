@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
-from draftsmith.models.dspark import BLOCK_CONVENTIONS, ANCHOR_IS_FIRST_PREDICTION, DSparkConfig, DSparkDrafter
+from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
 from draftsmith.models.native import (
     config_from_dict, load_native_weights, load_state_strict, read_native_meta, save_native,
 )
@@ -118,7 +118,9 @@ def load_dspark(path: str | Path) -> DSparkDrafter:
                               "[h; W1[x]] is supported")
     convention = extra.get("block_convention", meta.get("block_convention", ANCHOR_IS_FIRST_PREDICTION))
     if convention not in BLOCK_CONVENTIONS:
-        raise DraftsmithError(f"{path}/config.json: block_convention {convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}")
+        raise DraftsmithError(
+            f"{path}/config.json: block_convention {convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}"
+        )
     config = DSparkConfig(
         **_backbone_fields(meta, path), markov_rank=_key(meta, "markov_rank", path),
         block_convention=convention, num_anchors=meta.get("num_anchors", DSparkConfig.num_anchors),
@@ -133,10 +135,14 @@ def _read(path, arch: str) -> tuple[dict, dict]:
     found = (meta.get("architectures") or [None])[0]
     if found != arch:
         if meta.get("format") == "draftsmith":
-            raise DraftsmithError(f"{path} is a draftsmith native {meta.get('method')} drafter; load it with load_native_drafter")
+            raise DraftsmithError(
+                f"{path} is a draftsmith native {meta.get('method')} drafter; load it with load_native_drafter"
+            )
         if found in _KINDS:
             kind, loader = _KINDS[found]
-            raise DraftsmithError(f"{path} holds a {kind} checkpoint ({found}), not {_KINDS[arch][0]}; load it with {loader}")
+            raise DraftsmithError(
+                f"{path} holds a {kind} checkpoint ({found}), not {_KINDS[arch][0]}; load it with {loader}"
+            )
         raise DraftsmithError(f"{path}/config.json: architectures {meta.get('architectures')!r}, expected [{arch!r}]")
     return meta, load_native_weights(path)  # any folder's model.safetensors, with one-line errors
 
@@ -172,6 +178,14 @@ def _build(cls, config, weights: dict, path):
     drafter = cls(config).to(weights["fc.weight"].dtype if "fc.weight" in weights else torch.float32)
     load_state_strict(drafter, weights, source=str(path))
     return drafter
+
+
+def load_block_drafter(path: str | Path, method: str = "dflash") -> DFlashDrafter:
+    """A DFlash or DSpark drafter from any of our formats, told apart by config.json; a
+    checkpoint of the other method is refused in one line."""
+    if read_json(Path(path) / "config.json").get("format") == "draftsmith":
+        return load_native_drafter(path, method)
+    return load_dspark(path) if method == "dspark" else load_dflash_zlab(path)
 
 
 # ---------------------------------------------------------------- native

@@ -7,15 +7,16 @@ Both engines share the target's embedding when the checkpoint has none, and skip
 
 Target layer ids. draftsmith's ids are outputs of layers, 0-based. What each consumer reads
 (checked in their sources):
-- SGLang reads only the nested `eagle_config.eagle_aux_hidden_state_layer_ids` (eagle
-  worker, `get_draft_hidden_dim`) and captures `[i + 1 for i in ids]` at the *input* of
-  those layers (`set_eagle3_layers_to_capture`: "for the ith layer, it takes the output of
-  the (i-1)th layer"), so its ids are output-of-layer ids: ours unchanged.
+- SGLang reads only the nested `eagle_config.eagle_aux_hidden_state_layer_ids` (ModelRunner,
+  `get_draft_hidden_dim`) and captures `[i + 1 for i in ids]` at the *input* of those
+  layers (`set_eagle3_layers_to_capture`: "for the ith layer, it takes the output of the
+  (i-1)th layer"), so its ids are output-of-layer ids: ours unchanged. Without them it
+  captures at the inputs of (2, N // 2, N - 3), i.e. the reference [1, N//2 - 1, N - 4].
 - SpecForge (SGLang's trainer) reads the same nested key with the same meaning.
 - vLLM reads only the top-level `eagle_aux_hidden_state_layer_ids`
   (`get_eagle3_aux_layers_from_config`) and captures `hidden_states + residual` before
   running layer j, i.e. id j = output of layer j - 1 (HF `hidden_states[j]`): ours + 1.
-  Its built-in default (2, N // 2, N - 3) is the reference [1, N//2 - 1, N - 4] + 1.
+  Its built-in default is the same (2, N // 2, N - 3).
 Since each engine reads only its own key, both keys go into both layouts; the `engine`
 argument is recorded and is where an engine-specific difference would go.
 """
@@ -34,7 +35,7 @@ from draftsmith.models.eagle3 import (
     METHOD, Eagle3Config, Eagle3Drafter, default_layer_ids, drafter_from_state,
 )
 from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
-from draftsmith.models.target import target_shape
+from draftsmith.models.target import resolve_model_dir, target_shape
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ENGINES = ("sglang", "vllm")
@@ -75,16 +76,16 @@ def export_config(config: Eagle3Config, engine: str, dtype: torch.dtype = torch.
 
 def _config_and_weights(run_or_drafter) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     if isinstance(run_or_drafter, Eagle3Drafter):
-        state = run_or_drafter.state_dict()
-        return run_or_drafter.config, state
-    path = Path(run_or_drafter)
+        return run_or_drafter.config, run_or_drafter.state_dict()
+    path = Path(resolve_model_dir(run_or_drafter))  # a training run stands for its model/
     meta = read_native_meta(path, expect_method=METHOD)
     config = config_from_dict(Eagle3Config, meta["config"], source=f"{path}/config.json")
     return config, load_native_weights(path)
 
 
 def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Path, engine: str) -> Path:
-    """Write a drafter (or a native EAGLE-3 folder) for `engine`, atomically."""
+    """Write a drafter, a native EAGLE-3 folder or a training run (its model/) for `engine`,
+    atomically: the folder appears whole or not at all."""
     if engine not in ENGINES:
         raise DraftsmithError(f"EAGLE-3 export: unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
     config, state = _config_and_weights(run_or_drafter)
@@ -120,7 +121,9 @@ def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise DraftsmithError(f"{source}: architectures {cfg.get('architectures')} do not include {ARCHITECTURE}")
     if cfg.get("num_hidden_layers", 1) != 1:
-        raise DraftsmithError(f"{source}: num_hidden_layers {cfg['num_hidden_layers']}; only one-layer EAGLE-3 is supported")
+        raise DraftsmithError(
+            f"{source}: num_hidden_layers {cfg['num_hidden_layers']}; only one-layer EAGLE-3 is supported"
+        )
     try:
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}

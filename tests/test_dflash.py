@@ -13,7 +13,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3Decode
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.drafter import SamplingParams
-from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, open_block_drafter
+from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, load_drafter
 from draftsmith.models.dflash import (
     ContextCache, DFlashConfig, DFlashDrafter, auto_block_size, block_visibility, concat_layers,
     default_gamma, greedy_metrics, make_blocks, sample_anchors, spread_layer_ids,
@@ -40,8 +40,8 @@ def target():
 
 
 def drafter_for(target, **overrides):
-    config = DFlashConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "block_size": 6, **overrides})
-    return DFlashDrafter(config).eval()
+    settings = {"mask_token_id": MASK, "num_layers": 2, "block_size": 6, **overrides}
+    return DFlashDrafter(DFlashConfig.from_target(target.config, **settings)).eval()
 
 
 def features(target, ids, layer_ids):
@@ -221,7 +221,8 @@ def test_loss_goes_down_on_online_features():
         ids, mask = alternating_batch(data)
         with torch.no_grad():
             feats = features(target, ids, drafter.config.target_layer_ids)
-        loss, metrics = drafter.loss(feats, ids, mask, target.get_input_embeddings(), target.get_output_embeddings(), anchors)
+        loss, metrics = drafter.loss(feats, ids, mask, target.get_input_embeddings(),
+                                     target.get_output_embeddings(), anchors)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -270,7 +271,7 @@ def test_zlab_export_has_the_reference_layout_and_reloads_bit_identical(target, 
     before = block_logits(drafter, target, prompt)
     save_native_drafter(drafter, tmp_path / "native")
     for reloaded in (load_dflash_zlab(tmp_path / "zlab"), load_native_drafter(tmp_path / "native", "dflash"),
-                     open_block_drafter(tmp_path / "native", target).drafter):
+                     load_drafter(tmp_path / "native", target).drafter):
         assert type(reloaded) is DFlashDrafter
         assert torch.equal(block_logits(reloaded, target, prompt), before)
 

@@ -11,16 +11,19 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from draftsmith.data.draft_vocab import build_draft_vocab
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.draft_eagle3 import Eagle3Proposer
 from draftsmith.eval.drafter import SamplingParams
+from draftsmith.eval.drafters import load_drafter
 from draftsmith.models.eagle3 import (
-    DraftKV, Eagle3Config, Eagle3Drafter, attend, default_layer_ids, load_eagle3, save_eagle3,
+    DraftKV, Eagle3Config, Eagle3Drafter, default_layer_ids, load_eagle3, save_eagle3,
 )
 from draftsmith.models.export_eagle3 import export_eagle3, load_eagle3_export
 from draftsmith.models.native import config_from_dict
 from draftsmith.models.target import build_tiny_target, target_forward
+from draftsmith.recipe import recipe_from_dict
 
 VOCAB = 256
 ARCHS = {
@@ -62,11 +65,8 @@ def trained(request):
     seqs = target.generate(prompts, max_new_tokens=NEW + 16, min_new_tokens=NEW + 16, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     hidden, logits = features(target, drafter, seqs)
-    # The vocabulary the data needs, so that the loss sees reachable targets.
-    seen = torch.unique(torch.cat([seqs.flatten(), logits.argmax(-1).flatten()]))
-    keep = torch.cat([seen, torch.tensor([t for t in range(VOCAB) if t not in set(seen.tolist())])])[:192]
-    from draftsmith.data.draft_vocab import vocab_maps
-    drafter.set_draft_vocab(*vocab_maps(keep, VOCAB))
+    # The most frequent tokens of the data and of the target's argmaxes: all reachable.
+    drafter.set_draft_vocab(*build_draft_vocab([seqs, logits.argmax(-1)], None, VOCAB, 192))
     mask = torch.ones_like(seqs)
     mask[:, :PROMPT] = 0
     embed_before = drafter.embed_tokens.weight.clone()
@@ -95,6 +95,12 @@ def test_layer_ids_follow_the_reference_and_fit_tiny_targets():
     assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (64, 4, 1, 16)
     again = config_from_dict(Eagle3Config, json.loads(json.dumps(dataclasses.asdict(config))))
     assert again == config
+    # A recipe names a few keys; the rest comes from the target.
+    method = recipe_from_dict({"method": {"name": "eagle3", "ttt_length": 3, "draft_vocab_size": 100}}).method
+    config = Eagle3Config.from_target(target, **method.params)
+    assert (config.ttt_length, config.draft_vocab_size, config.hidden_size) == (3, 100, 64)
+    with pytest.raises(DraftsmithError, match="hidden_size, .* not set"):
+        Eagle3Drafter(Eagle3Config(ttt_length=3))
 
 
 def test_bad_inputs_are_one_line_errors():
@@ -183,6 +189,25 @@ def test_training_computes_what_chain_decoding_computes():
                 torch.testing.assert_close(drafter.logits(out)[0, 0], steps[i][b, c], rtol=1e-4, atol=1e-5)
 
 
+def test_padded_positions_are_invisible():
+    """Left padding: real positions do not depend on what the pads hold."""
+    torch.manual_seed(0)
+    target = peaky_target("llama")
+    drafter = Eagle3Drafter.from_target(target).eval()
+    ids = torch.randint(0, VOCAB, (1, 14))
+    hidden, _ = features(target, drafter, ids)
+    mask = torch.ones_like(ids)
+    mask[:, :4] = 0
+    other_ids, other_hidden = ids.clone(), hidden.clone()
+    other_ids[:, :4] = torch.randint(0, VOCAB, (1, 4))
+    other_hidden[:, :4] = torch.randn(1, 4, hidden.shape[-1])
+    with torch.no_grad():
+        a = drafter.ttt_logits(hidden, ids, mask)
+        b = drafter.ttt_logits(other_hidden, other_ids, mask)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x[:, 4:], y[:, 4:])
+
+
 # ---- training ------------------------------------------------------------------------------
 
 
@@ -263,15 +288,15 @@ def test_reload_gives_identical_drafts(trained, tmp_path):
     hidden, _ = features(target, drafter, seqs[:1])
     with torch.no_grad():
         expected = drafter.ttt_logits(hidden, seqs[:1])
-    save_eagle3(drafter, tmp_path / "native")
-    export_eagle3(tmp_path / "native", tmp_path / "vllm", "vllm")  # from a native folder
+    save_eagle3(drafter, tmp_path / "run" / "model")
+    export_eagle3(tmp_path / "run", tmp_path / "vllm", "vllm")  # from a training run's native model/
     export_eagle3(drafter, tmp_path / "sglang", "sglang")
     reloaded = {
-        "native": load_eagle3(tmp_path / "native", target),
+        "native": load_eagle3(tmp_path / "run" / "model", target),
         "sglang": load_eagle3_export(tmp_path / "sglang", target),
         "vllm": load_eagle3_export(tmp_path / "vllm", target),
     }
-    assert "embed_tokens.weight" not in load_file(str(tmp_path / "native" / "model.safetensors"))
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
     for name, again in reloaded.items():
         assert again.config == drafter.config, name
         with torch.no_grad():
@@ -281,6 +306,22 @@ def test_reload_gives_identical_drafts(trained, tmp_path):
             a, _ = _drafts(target, drafter, seqs, mode)
             b, _ = _drafts(target, again, seqs, mode)
             assert torch.equal(a.tokens, b.tokens), (name, mode)
+
+
+def test_eval_specs_load_native_runs_and_exports(trained, tmp_path):
+    _, target, drafter, seqs, _ = trained
+    save_eagle3(drafter, tmp_path / "run" / "model")
+    export_eagle3(drafter, tmp_path / "vllm", "vllm")
+    for spec, mode in (("eagle3:{}/run", "chain"), ("eagle3_tree:{}/vllm", "tree")):
+        proposer = load_drafter(spec.format(tmp_path), target)
+        assert proposer.mode == mode and proposer.name == spec.split(":")[0]
+        decoder = SpeculativeDecoder(target, proposer, num_draft=5, eos_token_id=())
+        assert torch.equal(decoder.generate(seqs[3, :PROMPT], 12).tokens, seqs[3, PROMPT : PROMPT + 12])
+    save_eagle3(drafter, tmp_path / "other")
+    meta = json.loads((tmp_path / "other" / "config.json").read_text())
+    (tmp_path / "other" / "config.json").write_text(json.dumps({**meta, "method": "dflash"}))
+    with pytest.raises(DraftsmithError, match="holds a dflash drafter, not eagle3"):
+        load_drafter(f"eagle3:{tmp_path}/other", target)
 
 
 def test_reload_refuses_disagreeing_layer_ids(trained, tmp_path):

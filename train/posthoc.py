@@ -7,6 +7,8 @@ capture the features a drafter reads; it never reaches the optimizer or a traini
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -31,10 +33,15 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     embedded = data.dataset == "embedded"
     if not embedded and not data.regenerate:
         return data.dataset, False
-    out = Path(recipe.train.output_dir) / "data" / "regenerated.jsonl"
+    # The settings are in the name: a rerun with the same ones (a resume) reuses the file,
+    # other settings never pick up a stale one.
+    settings = json.dumps([data.dataset, data.num_conversations, data.prompt_chars, data.regen_max_new_tokens,
+                           data.regen_temperature, recipe.train.seed, str(recipe.target.path)])
+    key = hashlib.sha256(settings.encode()).hexdigest()[:10]
+    out = Path(recipe.train.output_dir) / "data" / f"regenerated-{key}.jsonl"
     with PartialState().main_process_first():  # one process answers; the others read its file
         if not out.is_file():
-            conversations = (embedded_conversations(data.num_conversations) if embedded
+            conversations = (embedded_conversations(data.num_conversations, data.prompt_chars) if embedded
                              else load_conversations(data.dataset))
             regenerate(target, tokenizer, conversations, out, max_new_tokens=data.regen_max_new_tokens,
                        temperature=data.regen_temperature, seed=recipe.train.seed, plain=embedded)

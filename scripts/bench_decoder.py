@@ -1,0 +1,186 @@
+"""Our speculative decoder against transformers' assisted generation, same run.
+
+Same target, same prompts, greedy decoding, three ways each: plain, prompt lookup
+(`prompt_lookup_num_tokens`), and a draft model (`assistant_model`, the same model for
+both). Every output is checked token for token against transformers' plain greedy
+decoding; then a table of tokens/s, ours/theirs, tau, and our per-pass time split.
+
+tau conventions: ours is committed tokens per verify pass, prefill excluded. transformers
+verifies its first draft inside the prefill forward, so its tau here is new tokens per
+target forward (also 1.0 for plain decoding); it prints neither.
+
+Without --target the target is a random tiny Llama with the embedded default's shape
+(8 layers, 8 query heads over 1 KV head: D = 15). Random weights make any separately
+built draft model useless, so its upper layers are damped and the draft model is its
+first layers (a truncated twin): cheap, and right often enough to be worth measuring.
+
+    python scripts/bench_decoder.py [--target DIR --draft DIR] [--prompts 8 --new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+
+import torch
+
+from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
+from draftsmith.eval.draft_lm import DraftModelDrafter
+from draftsmith.eval.draft_ngram import NgramDrafter
+from draftsmith.eval.drafter import NoDrafter
+from draftsmith.models.target import build_tiny_target, decoder_layers, freeze, load_target
+
+
+def tiny_world(draft_layers: int, damp: float):
+    target = build_tiny_target(seed=0, arch="llama", vocab_size=2048, num_layers=8, hidden_size=256,
+                               num_heads=8, num_kv_heads=1)
+    with torch.no_grad():
+        for layer in decoder_layers(target)[draft_layers:]:
+            layer.self_attn.o_proj.weight.mul_(damp)
+            layer.mlp.down_proj.weight.mul_(damp)
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = draft_layers
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_config(config)
+    draft.load_state_dict(target.state_dict(), strict=False)  # the upper layers' weights are left out
+    return freeze(target), freeze(draft)
+
+
+def make_prompts(vocab: int, count: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(16, 48, (1,), generator=g)),), generator=g)
+            for _ in range(count)]
+
+
+class ForwardCounter:
+    """Counts target forwards (transformers' verify passes) through a forward hook."""
+
+    def __init__(self, model):
+        self.calls = 0
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, *_):
+        self.calls += 1
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ours(decoder, prompts, new_tokens):
+    outputs, stats, seconds = [], None, 0.0
+    for prompt in prompts:
+        result = decoder.generate(prompt, new_tokens)
+        outputs.append(result.tokens.tolist())
+        stats = result.stats if stats is None else stats.merge(result.stats)
+        seconds += result.stats.total_s
+    tokens = sum(map(len, outputs))
+    return {"outputs": outputs, "tok_s": tokens / seconds, "tau": stats.tau, "stats": stats}
+
+
+@torch.no_grad()
+def run_hf(target, counter, prompts, new_tokens, **kwargs):
+    device = next(target.parameters()).device
+    outputs, seconds, calls = [], 0.0, 0
+    for prompt in prompts:
+        counter.calls = 0
+        sync(device)
+        t0 = time.perf_counter()
+        out = target.generate(prompt[None].to(device), max_new_tokens=new_tokens, do_sample=False, **kwargs)
+        sync(device)
+        seconds += time.perf_counter() - t0
+        calls += counter.calls
+        outputs.append(out[0, len(prompt):].tolist())
+    tokens = sum(map(len, outputs))
+    return {"outputs": outputs, "tok_s": tokens / seconds, "tau": tokens / calls}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", help="a saved Hugging Face causal LM folder (default: a random tiny Llama)")
+    ap.add_argument("--draft", help="draft model folder sharing the target's vocabulary (with --target)")
+    ap.add_argument("--num-draft", type=int, help="drafts per verify (default: the tile rule)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-layers", type=int, default=1, help="tiny target only: layers of the truncated twin")
+    ap.add_argument("--damp", type=float, default=0.05, help="tiny target only: scale of the upper layers' outputs")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    if args.target:
+        target = load_target(args.target, device=device)
+        if not args.draft:
+            ap.error("--target needs --draft (the draft model both engines use)")
+        from transformers import AutoModelForCausalLM
+
+        draft = freeze(AutoModelForCausalLM.from_pretrained(args.draft).to(device))
+    else:
+        target, draft = (m.to(device) for m in tiny_world(args.draft_layers, args.damp))
+    D = default_num_draft(target.config) if args.num_draft is None else args.num_draft
+    prompts = make_prompts(target.config.vocab_size, args.prompts, args.seed)
+    eos = target.generation_config.eos_token_id
+    pad = target.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+    draft.generation_config.num_assistant_tokens = D
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0  # always draft D, as ours does
+    counter = ForwardCounter(target)
+
+    ours = {
+        "plain": lambda: SpeculativeDecoder(target, NoDrafter(), num_draft=0),
+        "prompt lookup": lambda: SpeculativeDecoder(target, NgramDrafter(max_ngram=4), num_draft=D),
+        "draft model": lambda: SpeculativeDecoder(target, DraftModelDrafter(draft, target), num_draft=D),
+    }
+    theirs = {
+        "plain": {},
+        "prompt lookup": {"prompt_lookup_num_tokens": D, "max_matching_ngram_size": 4},
+        "draft model": {"assistant_model": draft},
+    }
+    print(f"target: {args.target or 'random tiny llama (8 layers, H 256, 8q/1kv)'}  D = {D}  "
+          f"prompts = {len(prompts)}  new tokens = {args.new_tokens}  device = {device}  threads = {torch.get_num_threads()}")
+
+    results = {}
+    for name in ours:
+        decoder = ours[name]()
+        run_ours(decoder, prompts[:1], 8)  # warm-up: first calls pay one-off costs
+        run_hf(target, counter, prompts[:1], 8, pad_token_id=pad, **theirs[name])
+        results[name] = (run_ours(decoder, prompts, args.new_tokens),
+                         run_hf(target, counter, prompts, args.new_tokens, pad_token_id=pad, **theirs[name]))
+
+    reference = results["plain"][1]["outputs"]
+    bad = [f"{name} ({who})" for name, pair in results.items() for who, r in zip(("ours", "hf"), pair)
+           if r["outputs"] != reference]
+    if bad:
+        print("OUTPUT MISMATCH against transformers' greedy decoding: " + ", ".join(bad))
+        return 1
+    print("outputs: identical to transformers' greedy decoding for every method and prompt\n")
+
+    base_ours, base_hf = results["plain"][0]["tok_s"], results["plain"][1]["tok_s"]
+    print(f"{'method':<14} {'ours tok/s':>10} {'hf tok/s':>9} {'ours/hf':>8} {'ours/plain':>10} {'hf/plain':>9} "
+          f"{'tau ours':>9} {'tau hf':>7}")
+    for name, (o, h) in results.items():
+        print(f"{name:<14} {o['tok_s']:>10.1f} {h['tok_s']:>9.1f} {o['tok_s'] / h['tok_s']:>8.2f} "
+              f"{o['tok_s'] / base_ours:>10.2f} {h['tok_s'] / base_hf:>9.2f} {o['tau']:>9.2f} {h['tau']:>7.2f}")
+
+    t_target = 1000 * results["plain"][0]["stats"].verify_s / results["plain"][0]["stats"].verify_passes
+    print(f"\nour time per verify pass, ms (T_target = {t_target:.3f} ms from plain decoding)")
+    print(f"{'method':<14} {'verify':>8} {'draft':>8} {'other':>8} {'bound x':>8}")
+    for name, (o, _) in results.items():
+        s = o["stats"]
+        per = [1000 * t / s.verify_passes for t in (s.verify_s, s.draft_s, s.other_s)]
+        bound = s.tau * t_target / (per[0] + per[1])
+        print(f"{name:<14} {per[0]:>8.3f} {per[1]:>8.3f} {per[2]:>8.3f} {bound:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""DSpark: the refiner (off == backbone, teacher-forced == left to right), building on a
+DFlash backbone, the loss, the confidence head's early stop, exports and lossless decoding."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.drafter import GREEDY, SamplingParams, TargetContext
+from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, DSparkDecodeDrafter, load_drafter
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
+from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTION, DSparkConfig, DSparkDrafter
+from draftsmith.models.export_dflash import (
+    export_dflash_zlab, export_dspark, load_dflash_zlab, load_dspark, load_native_drafter, save_native_drafter,
+)
+from draftsmith.models.target import build_tiny_target, freeze, target_forward
+
+VOCAB, MASK = 128, 127
+
+
+def tiny_target(arch="qwen3"):
+    return freeze(build_tiny_target(seed=1, arch=arch, vocab_size=VOCAB, num_layers=6, hidden_size=64,
+                                    num_heads=4, num_kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def dspark_for(target, **overrides) -> DSparkDrafter:
+    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "block_size": 5,
+                                                       "markov_rank": 8, **overrides})
+    return DSparkDrafter(config).eval()
+
+
+def with_trained_refiner(drafter: DSparkDrafter) -> DSparkDrafter:
+    """Give W2 weights (it starts at zero) so that the refiner actually changes logits."""
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.normal_(std=0.5)
+    return drafter
+
+
+def features(target, ids, layer_ids):
+    out = target_forward(target, ids, capture=layer_ids)
+    return concat_layers(out.hidden, layer_ids), out.logits
+
+
+def first_block(adapter, target, prompt):
+    """Start `adapter` on `prompt` the way the decoder does; the prediction-slot hidden
+    states and head logits of its first block."""
+    out = target_forward(target, prompt[None], capture=adapter.capture_layers)
+    adapter.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
+    nothing = TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0], len(prompt) - 1)
+    adapter.commit(prompt[-1:], nothing)
+    with torch.no_grad():
+        return adapter.draft_block(adapter.drafter.drafts_per_block)
+
+
+def test_config_convention_and_block_size():
+    qwen3_8b = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, num_hidden_layers=36,
+                               vocab_size=151936, intermediate_size=12288)
+    config = DSparkConfig.from_target(qwen3_8b, mask_token_id=151669)
+    assert config.block_convention == ANCHOR_IS_FIRST_PREDICTION and config.first_prediction_slot == 0
+    assert config.block_size == config.drafts_per_block == 31  # D of the tile rule, the anchor predicting
+    assert config.markov_rank == 256 and (config.ce_weight, config.tv_weight, config.bce_weight) == (0.1, 0.9, 1.0)
+    with pytest.raises(DraftsmithError, match="block_convention 'anchor_last'"):
+        DSparkConfig.from_target(qwen3_8b, mask_token_id=0, block_convention="anchor_last")
+    with pytest.warns(UserWarning, match="block_size 32 gives 32 drafts"):
+        DSparkConfig.from_target(qwen3_8b, mask_token_id=0, block_size=32)
+
+
+def test_refiner_off_gives_the_backbone_drafts(target):
+    drafter = with_trained_refiner(dspark_for(target))
+    hidden, base = first_block(DSparkDecodeDrafter(drafter, target), target, torch.arange(3, 14))
+    anchor = torch.tensor([13])
+    pick = lambda logits, k: logits.argmax(-1)  # noqa: E731
+    off, off_logits, _ = drafter.refine(hidden, base, anchor, pick, refiner=False)
+    on, _, _ = drafter.refine(hidden, base, anchor, pick, refiner=True)
+    assert torch.equal(off[0], base[0].argmax(-1)) and torch.equal(off_logits, base)
+    assert not torch.equal(on, off)
+
+
+def test_a_dspark_on_a_frozen_dflash_backbone_starts_with_its_drafts(target):
+    dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6))
+    dspark = DSparkDrafter.from_dflash(dflash, freeze_backbone=True, markov_rank=8)
+    assert dspark.config.block_convention == ANCHOR_IS_CONTEXT and dspark.drafts_per_block == dflash.drafts_per_block
+    trainable = {name for name, p in dspark.named_parameters() if p.requires_grad}
+    assert trainable and all(name.startswith(("markov_head.", "confidence_head.")) for name in trainable)
+    prompt = torch.arange(5, 17)
+    expected = first_block(DFlashDecodeDrafter(dflash, target), target, prompt)[1][0].argmax(-1)
+    adapter = DSparkDecodeDrafter(dspark, target, confidence_threshold=0.0)
+    first_block(adapter, target, prompt)
+    assert torch.equal(adapter.propose(5, GREEDY, None).tokens, expected)  # W2 = 0: the refiner is a no-op
+    with pytest.raises(DraftsmithError, match="frozen DFlash backbone"):
+        DSparkDrafter.from_dflash(dflash, freeze_backbone=True, block_convention=ANCHOR_IS_FIRST_PREDICTION)
+    unfrozen = DSparkDrafter.from_dflash(dflash)
+    assert unfrozen.config.block_size == dflash.drafts_per_block  # same drafts, the anchor predicting
+    assert torch.equal(unfrozen.fc.weight, dflash.fc.weight)
+
+
+def test_teacher_forced_training_logits_equal_left_to_right_decoding(target):
+    drafter = with_trained_refiner(dspark_for(target))
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    ids = torch.randint(0, MASK, (2, 20), generator=torch.Generator().manual_seed(0))
+    feats, _ = features(target, ids, drafter.config.target_layer_ids)
+    blocks = drafter.sample_blocks(ids, torch.ones_like(ids), torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = drafter.training_hidden(feats, blocks, embed)  # [B, N, drafts, H]
+        base = head(hidden)
+        parallel = drafter.refined_logits(base, blocks.prev_tokens)
+        flat = lambda t: t.flatten(0, 1)  # noqa: E731
+        true_tokens = flat(blocks.labels)
+        tokens, serial, _ = drafter.refine(flat(hidden), flat(base), flat(blocks.prev_tokens)[:, 0],
+                                           lambda logits, k: true_tokens[:, k])
+    assert torch.equal(tokens, true_tokens)
+    torch.testing.assert_close(serial, flat(parallel), rtol=0, atol=1e-6)
+
+
+def test_loss_parts_and_a_frozen_backbone_training_only_the_heads(target):
+    dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=5,
+                                                    num_anchors=8))
+    drafter = DSparkDrafter.from_dflash(dflash, freeze_backbone=True, markov_rank=8).train()
+    backbone = {k: v.clone() for k, v in drafter.state_dict().items() if not k.startswith(("markov", "confidence"))}
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    data, anchors = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(12):
+        pair = torch.randint(0, MASK, (4, 2), generator=data)
+        ids = pair[:, torch.arange(24) % 2]
+        with torch.no_grad():
+            feats, logits = features(target, ids, drafter.config.target_layer_ids)
+        loss, metrics = drafter.loss(feats, ids, torch.ones_like(ids), target.get_input_embeddings(),
+                                     target.get_output_embeddings(), logits, anchors)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    expected = 0.1 * metrics["ce"] + 0.9 * metrics["tv"] + 1.0 * metrics["bce"]
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert {"acc_1", "acc_4", "tau_est", "tau_prob", "conf_err"} <= set(metrics)
+    assert 0.0 <= metrics["tv"] <= 2.0 and 1.0 <= metrics["tau_prob"] <= 5.0
+    assert sum(losses[-3:]) < sum(losses[:3])
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in backbone.items())
+    assert drafter.markov_head.markov_w2.weight.abs().sum() > 0
+
+
+def test_confidence_head_ends_drafts_early_and_counts_the_rows_saved(target):
+    drafter = dspark_for(target, block_size=6)
+    with torch.no_grad():
+        drafter.confidence_head.proj.bias.fill_(-1.0)  # sigmoid ~0.27: prefix acceptance .27, .07, .02 ...
+    prompt = torch.randint(0, MASK, (8,), generator=torch.Generator().manual_seed(3))
+    expected = target.generate(prompt[None], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    stopping = DSparkDecodeDrafter(drafter, target, confidence_threshold=0.05)
+    result = SpeculativeDecoder(target, stopping, num_draft=6, eos_token_id=()).generate(prompt, 20)
+    assert result.tokens.tolist() == expected[0, 8:].tolist()
+    stats = stopping.stats()
+    assert stats["early_stop_rate"] > 0.5 and stats["verify_rows_saved"] > stats["early_stops"]
+    full = DSparkDecodeDrafter(drafter, target, confidence_threshold=0.0)
+    SpeculativeDecoder(target, full, num_draft=6, eos_token_id=()).generate(prompt, 20)
+    assert full.stats()["early_stops"] == 0 and full.stats()["verify_rows_saved"] == 0
+
+
+def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
+    drafter = with_trained_refiner(dspark_for(target))
+    export_dspark(drafter, tmp_path / "dspark")
+    config = json.loads((tmp_path / "dspark" / "config.json").read_text())
+    assert config["architectures"] == ["DSparkDraftModel"] and config["block_convention"] == ANCHOR_IS_FIRST_PREDICTION
+    assert config["dspark_config"]["block_convention"] == ANCHOR_IS_FIRST_PREDICTION
+    assert config["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": MASK, "block_size": 5}
+    assert config["markov_rank"] == 8 and config["markov_head_type"] == "vanilla"
+    assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+    with safe_open(str(tmp_path / "dspark" / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert {k: v for k, v in shapes.items() if k.startswith(("markov", "confidence"))} == {
+        "markov_head.markov_w1.weight": (VOCAB, 8), "markov_head.markov_w2.weight": (VOCAB, 8),
+        "confidence_head.proj.weight": (1, 64 + 8), "confidence_head.proj.bias": (1,)}
+    assert "fc.weight" in shapes and "layers.1.self_attn.k_norm.weight" in shapes and len(shapes) == 4 + 3 + 2 * 11
+
+    prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
+
+    def drafts(model):
+        adapter = DSparkDecodeDrafter(model, target, confidence_threshold=0.0)
+        first_block(adapter, target, prompt)
+        return adapter.propose(5, GREEDY, None).tokens, adapter.draft_block(5)[1]
+
+    save_native_drafter(drafter, tmp_path / "native")
+    before = drafts(drafter)
+    for reloaded in (load_dspark(tmp_path / "dspark"), load_native_drafter(tmp_path / "native", "dspark"),
+                     load_drafter(tmp_path / "dspark", target, "dspark").drafter):
+        after = drafts(reloaded)
+        assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+    dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6))
+    export_dflash_zlab(dflash, tmp_path / "dflash")
+    save_native_drafter(dflash, tmp_path / "dflash-native")
+    narrow = build_tiny_target(vocab_size=VOCAB, num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2)
+    for call, match in (
+        (lambda: load_dflash_zlab(tmp_path / "dspark"), "holds a DSpark checkpoint .* load it with load_dspark"),
+        (lambda: load_dspark(tmp_path / "dflash"), "holds a DFlash checkpoint .* load it with load_dflash_zlab"),
+        (lambda: load_native_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
+        (lambda: load_native_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
+        (lambda: load_drafter(tmp_path / "native", target, "dflash"), "holds a dspark drafter, not dflash"),
+        (lambda: load_drafter(tmp_path / "dflash", target, "dspark"), "holds a DFlash checkpoint"),
+        (lambda: load_drafter(tmp_path / "dflash", narrow, "dflash"), "hidden size 64, the target has 32"),
+        (lambda: export_dflash_zlab(drafter, tmp_path / "x"), "this is a DSpark drafter"),
+        (lambda: export_dspark(dflash, tmp_path / "x"), "this is a DFlash drafter"),
+    ):
+        with pytest.raises(DraftsmithError, match=match) as caught:
+            call()
+        assert "\n" not in str(caught.value)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_speculative_output_equals_target_generate(arch):
+    target = tiny_target(arch)
+    prompt = torch.randint(0, MASK, (10,), generator=torch.Generator().manual_seed(4))
+    expected = target.generate(prompt[None], max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for convention in (ANCHOR_IS_FIRST_PREDICTION, ANCHOR_IS_CONTEXT):
+        drafter = with_trained_refiner(dspark_for(target, block_convention=convention))
+        decoder = SpeculativeDecoder(target, DSparkDecodeDrafter(drafter, target), num_draft=5, eos_token_id=())
+        assert decoder.generate(prompt, 30).tokens.tolist() == expected[0, 10:].tolist()
+    sampled = decoder.generate(prompt, 30, SamplingParams(temperature=0.8, top_p=0.9), torch.Generator().manual_seed(0))
+    assert len(sampled.tokens) == 30
