@@ -31,7 +31,7 @@ def _eval(args) -> None:
     settings = EvalSettings(
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        num_draft=args.num_draft, tile=args.tile, drafters=args.drafter,
+        num_draft=args.num_draft, tile=args.tile, prompt_chars=args.prompt_chars, drafters=args.drafter,
     )
     print_summary(evaluate(args.target, settings, args.out), args.out)
 
@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-draft", type=int, default=None, help="drafts per verify (default: the tile rule's D)")
+    p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
     p.add_argument("--tile", type=int, default=128)
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
     p.set_defaults(run=_eval)

@@ -31,28 +31,15 @@ from draftsmith.eval.sampling import (
     next_token,
     process_logits,
 )
+from draftsmith.eval.tile import plan_tile
 from draftsmith.models.target import crop_cache, new_cache, target_forward
 
 
 def default_num_draft(config, tile: int = 128, tp: int = 1) -> int:
-    """Drafts per verify that keep it in one attention tile: D = max(0, tile // G - 1).
-
-    G is the group size, query heads per KV head, that the kernel packs with the query
-    tokens into the rows of one tile (DESIGN.md section 3).
-    """
-    heads = config.num_attention_heads
-    if getattr(config, "kv_lora_rank", None):  # multi-latent attention: one shared KV
-        kv_heads = 1
-    elif getattr(config, "multi_query", False):
-        kv_heads = 1
-    else:
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % kv_heads:
-        raise DraftsmithError(
-            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-        )
-    group = (heads // tp) // max(1, kv_heads // tp)
-    return max(0, tile // group - 1)
+    """Drafts per verify that keep it in one attention tile: D = max(0, tile // G - 1),
+    G the query heads per KV head (the tile planner, DESIGN.md section 3)."""
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return plan_tile(fields, tile, tp).D
 
 
 @dataclass
@@ -161,8 +148,7 @@ class _TreeMask:
             cols = max(cols, -(-2 * (prefix + q) // 64) * 64)  # grow geometrically
             self.buf = torch.zeros(1, 1, max(rows, q), cols, dtype=self.dtype, device=self.device)
         self._block = self.buf[0, 0, :q, prefix : prefix + q]
-        block = torch.zeros(q, q, dtype=self.dtype).masked_fill_(~ancestors, self.blocked)
-        self._block.copy_(block, non_blocking=True)
+        self._block.masked_fill_(~ancestors, self.blocked)
         return self.buf[:, :, :q, : prefix + q]
 
     def clear(self) -> None:
@@ -179,15 +165,19 @@ def _tree_layout(parents: list[int]) -> tuple[list[int], torch.Tensor, list[list
     n = len(parents)
     depth = [0] * (n + 1)
     children: list[list[int]] = [[] for _ in range(n + 1)]
-    ancestors = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    ancestors[:, 0] = True
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
             raise DraftsmithError(f"draft tree node {i} has parent {parent}: nodes must come after their parent")
         depth[i + 1] = depth[parent + 1] + 1
         children[parent + 1].append(i)
-        ancestors[i + 1] = ancestors[parent + 1]
-        ancestors[i + 1, i + 1] = True
+    # Walk every row up to the root at once, one tree level per iteration.
+    parent_row = torch.tensor([0] + [p + 1 for p in parents])
+    rows = torch.arange(n + 1)
+    ancestors = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    node = rows
+    for _ in range(max(depth) + 1):
+        ancestors[rows, node] = True
+        node = parent_row[node]
     return depth, ancestors, children
 
 
@@ -314,7 +304,8 @@ class SpeculativeDecoder:
         state.generated.extend(new[:keep])
         t3 = self._clock()
         if not state.done:
-            committed = torch.cat([drafts[path], bonus.reshape(1)])
+            kept = drafts[: len(path)] if children is None else drafts[path]
+            committed = torch.cat([kept, bonus.reshape(1)])
             hidden = {i: h[0, rows] for i, h in out.hidden.items()}
             self.drafter.commit(committed, TargetContext(hidden, inputs[0, rows], prefix))
             state.last = committed[-1:]
@@ -330,11 +321,11 @@ class SpeculativeDecoder:
         node sees the prefix and its ancestors, at position prefix + depth."""
         if parents is None:
             return target_forward(self.target, inputs, cache=state.cache, capture=self._capture), None
-        self._check_tree_support()
+        self._check_tree_support(state.cache)
         prefix = state.cache.get_seq_length()
         depth, ancestors, children = _tree_layout(parents.tolist())
         positions = torch.tensor(depth, device=self.device).add_(prefix)[None]
-        mask = self._tree_mask.build(prefix, ancestors.to(self.device, non_blocking=True))
+        mask = self._tree_mask.build(prefix, ancestors.to(self.device))
         try:
             out = target_forward(self.target, inputs, cache=state.cache, position_ids=positions,
                                  attention_mask=mask, capture=self._capture)
@@ -365,18 +356,19 @@ class SpeculativeDecoder:
 
     def _keep(self, new: list[int], state: DecodeState) -> int:
         """How many of this step's tokens count: up to the first EOS and the token limit."""
-        keep = next((i + 1 for i, t in enumerate(new) if t in self.eos), len(new))
+        eos_at = next((i for i, t in enumerate(new) if t in self.eos), None)
         budget = state.max_new_tokens - len(state.generated)
-        if keep < len(new) or keep >= budget:
-            state.done = True
-        return min(keep, budget)
+        state.done = eos_at is not None or len(new) >= budget
+        return min(len(new) if eos_at is None else eos_at + 1, budget)
 
-    def _check_tree_support(self) -> None:
+    def _check_tree_support(self, cache) -> None:
         impl = getattr(self.target.config, "_attn_implementation", "") or ""
         if "flash" in impl:
             raise DraftsmithError(
                 f"tree drafts need a 4D attention mask, which attn_implementation={impl!r} ignores; use 'sdpa' or 'eager'"
             )
+        if any(getattr(cache, "is_sliding", ())):
+            raise DraftsmithError("tree drafts need a full-attention KV cache; this target has sliding-window layers")
 
     @staticmethod
     def _single_sequence(prompt_ids) -> torch.Tensor:

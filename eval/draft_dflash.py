@@ -100,7 +100,7 @@ class DSparkDecodeDrafter(DFlashDecodeDrafter):
             self.rows_saved += hidden.shape[1] - tokens.shape[1]
         return Draft(tokens[0], None, torch.cat(probs) if probs else None)
 
-    def stats(self) -> dict:
+    def report_extra(self) -> dict:
         return {
             "confidence_threshold": self.threshold,
             "proposals": self.proposals,

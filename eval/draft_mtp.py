@@ -97,7 +97,7 @@ class MTPDrafter:
     def propose(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
         n = len(self.tokens)
         drafts, probs = [], []
-        below = None  # depth m - 1's draft-time outputs, positions n - m + 1 .. n - 2
+        below = None  # depth m - 1's draft-time outputs, positions max(0, n - m + 1) .. n - 2
         for m in range(1, max_nodes + 1):
             if m > len(self.depths):
                 self.depths.append(_Depth(self._layer(m)))
@@ -106,9 +106,12 @@ class MTPDrafter:
             if m == 1:  # position n - 2 is settled at depth 1: nothing to run
                 last = depth.outputs[n - 2]
                 below = depth.outputs[:0]
-            else:  # positions n - m .. n - 2, reading drafts d1 .. d_{m-1}
-                prev = torch.cat([self.depths[m - 2].outputs[n - m: n - m + 1], below])
-                below = self._run(depth, n - m, prev, torch.stack(drafts))
+            else:  # positions lo .. n - 2 read drafts (lo = n - m, or 0 early in a sequence)
+                lo = max(0, n - m)
+                upper = self.depths[m - 2]
+                settled = [] if upper.outputs is None else [upper.outputs[lo: upper.settled]]
+                prev = torch.cat(settled + [below])
+                below = self._run(depth, lo, prev, torch.stack(drafts[lo + m - n:]))
                 last = below[-1]
             logits = self.head(depth.layer.shared_head.norm(last))
             if sampling.greedy:

@@ -5,6 +5,11 @@ An index from each n-gram to the position right after its latest occurrence is u
 as tokens are committed, so a proposal costs a few dictionary look-ups however long the
 context. The n-gram ending at the last token is indexed only once another token follows
 it, so a look-up never finds the tail itself.
+
+A copy that reaches the end of the context continues into the tokens it has just copied
+(the periodic extension of a repeat), so a loop of period p still yields a full draft.
+`latest=False, extend=False` is transformers' policy instead (earliest match, the copy
+stops at the end of the context), for engine-to-engine comparisons on equal drafts.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ from draftsmith.eval.drafter import Draft
 class NgramDrafter:
     capture_layers: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, latest: bool = True, extend: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftsmithError(f"n-gram drafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.name = "ngram"
         self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest match first
+        self.latest, self.extend = latest, extend
         self.tokens: list[int] = []
         self.next_after: dict[tuple[int, ...], int] = {}
 
@@ -39,7 +45,9 @@ class NgramDrafter:
             end = len(tokens)
             for n in self.sizes:
                 if n <= end:
-                    self.next_after[tuple(tokens[end - n : end])] = end
+                    key = tuple(tokens[end - n : end])
+                    if self.latest or key not in self.next_after:
+                        self.next_after[key] = end
             tokens.append(token)
 
     def propose(self, max_nodes, sampling, generator) -> Draft:
@@ -47,8 +55,8 @@ class NgramDrafter:
         for n in self.sizes:
             start = self.next_after.get(tuple(tokens[-n:])) if n <= len(tokens) else None
             if start is not None and max_nodes > 0:
-                # Copy forward; a copy that reaches the end of the context continues into
-                # the tokens it has just copied (the periodic extension of a repeat).
+                if not self.extend:
+                    return Draft(torch.tensor(tokens[start : start + max_nodes], dtype=torch.long))
                 out: list[int] = []
                 for j in range(start, start + max_nodes):
                     out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])

@@ -131,6 +131,50 @@ def test_cache_after_rejections_equals_a_fresh_prefill(world, drafter):
     assert partial > 0, "no step accepted part of its draft: cropping was not exercised"
 
 
+class Recorder:
+    """Wraps a drafter and keeps everything the decoder hands it."""
+
+    name = "recorder"
+
+    def __init__(self, inner, layers):
+        self.inner, self.capture_layers = inner, layers
+        self.tokens, self.accepted, self.hidden = [], [], {i: [] for i in layers}
+
+    def begin(self, prompt_ids, ctx):
+        self.inner.begin(prompt_ids, ctx)
+        self._take(ctx)
+
+    def commit(self, accepted, ctx):
+        self.inner.commit(accepted, ctx)
+        self.accepted += accepted.tolist()
+        self._take(ctx)
+
+    def propose(self, max_nodes, sampling, generator):
+        return self.inner.propose(max_nodes, sampling, generator)
+
+    def _take(self, ctx):
+        assert ctx.start == len(self.tokens), "context positions must follow on from the last ones"
+        self.tokens += ctx.tokens.tolist()
+        for i in self.capture_layers:
+            self.hidden[i].append(ctx.hidden[i])
+
+
+@pytest.mark.parametrize("drafter", ["draft-lm", "tree-oracle"])
+def test_drafters_get_the_hidden_states_of_every_committed_position(world, drafter):
+    last = world.target.config.num_hidden_layers - 1
+    recorder = Recorder(DRAFTERS[drafter](world), (0, last))
+    decoder = SpeculativeDecoder(world.target, recorder, num_draft=6, eos_token_id=())
+    prompt = PROMPTS[1]
+    result = decoder.generate(torch.tensor(prompt), NEW)
+    sequence = prompt + result.tokens.tolist()
+    # After each commit: every committed token but the last has its hidden state.
+    assert recorder.accepted == result.tokens.tolist()[: len(recorder.accepted)]
+    assert recorder.tokens == sequence[: len(prompt) + len(recorder.accepted) - 1]
+    fresh = target_forward(world.target, torch.tensor([recorder.tokens]), capture=(0, last)).hidden
+    for i in (0, last):
+        torch.testing.assert_close(torch.cat(recorder.hidden[i]), fresh[i][0], atol=1e-4, rtol=1e-4)
+
+
 def test_tree_verify_agrees_with_verifying_each_path_as_a_chain(world):
     decoder = SpeculativeDecoder(world.target, NoDrafter(), num_draft=12)
     state = decoder.start(torch.tensor(PROMPTS[1]), 40)
@@ -173,6 +217,10 @@ def test_eos_stops_and_nothing_past_it_counts(world):
     assert stats.committed == position
     assert stats.tau == position / stats.verify_passes
     assert sum(k * n for k, n in enumerate(stats.accepted_hist)) + stats.verify_passes >= stats.committed
+
+    # EOS as the target's own (bonus) token: plain decoding commits only those
+    plain = decoder.generate_plain(torch.tensor(prompt), NEW)
+    assert plain.tokens.tolist() == ref[: position + 1] and plain.stats.committed == position
 
     limited = SpeculativeDecoder(world.target, OracleDrafter(world.target), num_draft=4, eos_token_id=())
     result = limited.generate(torch.tensor(prompt), 8)
@@ -223,6 +271,23 @@ def test_sampling_reproduces_the_target_distribution(drafter):
         outcomes.append(state.generated[1] * VOCAB + state.generated[2])
     assert rejected > SAMPLES // 10, "the draft is almost always accepted: the residual path is not exercised"
     assert chi2_pvalue(outcomes, expected) > 1e-3
+
+
+def test_ngram_drafter_copies_the_latest_match():
+    def proposal(context, n=5, **options):
+        drafter = NgramDrafter(**options)
+        drafter.begin(torch.tensor(context[:3]), None)
+        drafter.commit(torch.tensor(context[3:]), None)
+        return drafter.propose(n, None, None).tokens.tolist()
+
+    # tail (7, 8): the 2-gram beats the 1-gram (8 -> 3), the latest occurrence wins
+    assert proposal([7, 8, 1, 2, 8, 3, 7, 8, 4, 5, 9, 7, 8]) == [4, 5, 9, 7, 8]
+    assert proposal([7, 8, 1, 2, 8, 3, 7, 8, 4, 5, 9, 7, 8], latest=False, extend=False) == [1, 2, 8, 3, 7]
+    # a repeat of period 3 runs into the end and continues periodically
+    assert proposal([1, 2, 3, 1, 2, 3, 1], n=6) == [2, 3, 1, 2, 3, 1]
+    assert proposal([1, 2, 3, 1, 2, 3, 1], n=6, extend=False) == [2, 3, 1]
+    assert proposal([1, 2, 3, 4, 5, 6]) == []  # no earlier occurrence of anything
+    assert proposal([1, 2, 3, 1], n=0) == []
 
 
 def test_default_num_draft_follows_the_tile_rule():

@@ -30,7 +30,7 @@ def reference_drafts(heads, target, committed, drafts):
     h0 = target_forward(target, seq, capture=[1]).hidden[1]
     logits = mtp_forward(chained, target, seq, h0)
     n = len(committed)
-    return [int(lg[0, n - 2].argmax()) for lg in logits]
+    return [int(lg[0, n - 2].argmax()) for lg in logits]  # depth m at position n - 2
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -44,7 +44,7 @@ def test_drafts_follow_deepseek_depth_semantics_across_steps(arch):
     drafter.commit(ids[6:7], TargetContext({1: out.hidden[1][0, :0]}, prompt[:0], 6))
     n = 7
     for accepted in (2, 0, 3):  # commit a few tokens per step, as a verify would
-        drafts = drafter.propose(5, GREEDY, None).tokens
+        drafts = drafter.propose(9, GREEDY, None).tokens  # deeper than the sequence is long
         assert drafts.tolist() == reference_drafts(heads, target, ids[:n], drafts)
         new = ids[n:n + accepted + 1]
         h = target_forward(target, ids[None, :n + accepted], capture=[1]).hidden[1][0, n - 1:]

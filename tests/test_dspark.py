@@ -158,11 +158,11 @@ def test_confidence_head_ends_drafts_early_and_counts_the_rows_saved(target):
     stopping = DSparkDecodeDrafter(drafter, target, confidence_threshold=0.05)
     result = SpeculativeDecoder(target, stopping, num_draft=6, eos_token_id=()).generate(prompt, 20)
     assert result.tokens.tolist() == expected[0, 8:].tolist()
-    stats = stopping.stats()
+    stats = stopping.report_extra()
     assert stats["early_stop_rate"] > 0.5 and stats["verify_rows_saved"] > stats["early_stops"]
     full = DSparkDecodeDrafter(drafter, target, confidence_threshold=0.0)
     SpeculativeDecoder(target, full, num_draft=6, eos_token_id=()).generate(prompt, 20)
-    assert full.stats()["early_stops"] == 0 and full.stats()["verify_rows_saved"] == 0
+    assert full.report_extra()["early_stops"] == 0 and full.report_extra()["verify_rows_saved"] == 0
 
 
 def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):

@@ -145,7 +145,8 @@ def test_layer_matches_transformers_llama_attention():
     drafter = Eagle3Drafter.from_target(target)
     c, ours = drafter.config, drafter.midlayer
     wide = LlamaConfig(hidden_size=2 * c.hidden_size, num_attention_heads=c.num_heads, head_dim=c.head_dim,
-                       num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta, attention_bias=False)
+                       num_key_value_heads=c.num_kv_heads, rope_theta=c.rope_theta, attention_bias=False,
+                       attn_implementation="eager")
     reference = LlamaAttention(wide, layer_idx=0).eval()
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):

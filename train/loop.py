@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_file, ensure_writable_dir
 from draftsmith.recipe import Recipe, dump_recipe
+from draftsmith.train.launch_checks import check_launch, process_group_kwargs
 from draftsmith.train.methods import build_method
 
 CHECKPOINTS = "checkpoints"
@@ -50,6 +51,7 @@ def make_accelerator(recipe: Recipe, out_dir: Path):
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=process_group_kwargs(),
     )
 
 
@@ -125,6 +127,7 @@ def train(recipe: Recipe) -> Path:
         raise DraftsmithError(f"train.resume=true but {out_dir}/{CHECKPOINTS} holds no checkpoint")
     if t.max_steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
         raise DraftsmithError("train.max_steps, train.batch_size and train.grad_accum must be positive")
+    check_launch(recipe.method.name)
 
     accelerator = make_accelerator(recipe, out_dir)
     set_seed(t.seed)
@@ -188,7 +191,10 @@ def train(recipe: Recipe) -> Path:
             bar.update(1)
             if step % t.log_every == 0 or step == t.max_steps:
                 elapsed = time.perf_counter() - started
-                logs = {f"train/{k}": v / window_n for k, v in window.items()}
+                # Each process saw its own shard of the global batch: log the mean over processes.
+                means = accelerator.reduce(torch.tensor([v / window_n for v in window.values()],
+                                                        device=accelerator.device), reduction="mean")
+                logs = {f"train/{k}": v for k, v in zip(window, means.tolist())}
                 logs["train/lr"] = scheduler.get_last_lr()[0]
                 logs["train/tokens_per_s"] = tokens / max(elapsed, 1e-9)
                 _log(accelerator, history, step, logs)

@@ -16,7 +16,7 @@ from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, check_target, 
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.export_dflash import load_native_drafter, save_native_drafter
 from draftsmith.models.target import resolve_model_dir
-from draftsmith.train.posthoc import PostHocMethod
+from draftsmith.train.posthoc import LossForward, PostHocMethod
 
 
 class Method(PostHocMethod):
@@ -28,6 +28,8 @@ class Method(PostHocMethod):
         backbone = params.pop("backbone", "")
         freeze = params.pop("freeze_backbone", False)
         if self.dspark and backbone:
+            if params.get("block_size") == "auto":  # the backbone's block, unless a number is given
+                params.pop("block_size")
             dflash = load_native_drafter(resolve_model_dir(backbone), "dflash")
             try:
                 check_target(dflash, self.target)
@@ -43,7 +45,7 @@ class Method(PostHocMethod):
                 params.setdefault("mask_token_id", self.tokenizer.mask_token_id)
             config = config_cls.from_target(self.target.config, tile=tile, **params)
             drafter = module_cls(config)
-        self.model = drafter.to(device=device, dtype=torch.float32)
+        self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
         self.layer_ids = list(drafter.config.target_layer_ids)
         head = self.target.get_output_embeddings()
         self.embed = self.target.get_input_embeddings()
@@ -58,8 +60,8 @@ class Method(PostHocMethod):
             self.recipe.train.seed * 1_000_003 + step * 2 + (0 if model.training else 1))
         mask = batch["loss_mask"] * batch["attention_mask"]
         if self.dspark:
-            return model.loss(hidden, batch["input_ids"], mask, self.embed, self.head, out.logits, generator=gen)
-        return model.loss(hidden, batch["input_ids"], mask, self.embed, self.head, generator=gen)
+            return model(hidden, batch["input_ids"], mask, self.embed, self.head, out.logits, generator=gen)
+        return model(hidden, batch["input_ids"], mask, self.embed, self.head, generator=gen)
 
     def save(self, model, out_dir: Path) -> Path:
-        return save_native_drafter(model, out_dir / "model", extra={"target": str(self.target_dir)})
+        return save_native_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import TargetOutput, load_target, resolve_model_dir, target_forward
@@ -46,6 +47,18 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
             regenerate(target, tokenizer, conversations, out, max_new_tokens=data.regen_max_new_tokens,
                        temperature=data.regen_temperature, seed=recipe.train.seed, plain=embedded)
     return out, embedded
+
+
+class LossForward(nn.Module):
+    """Routes `forward` to the drafter's `loss`, so that the DDP/FSDP/DeepSpeed wrapper
+    accelerate puts around the trainable module runs its hooks on the loss computation."""
+
+    def __init__(self, drafter: nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *args, **kwargs):
+        return self.drafter.loss(*args, **kwargs)
 
 
 class PostHocMethod(TrainMethod):

@@ -1,0 +1,117 @@
+"""EAGLE-3, DFlash and DSpark trained post hoc against a tiny frozen target, then decoded
+losslessly through `draftsmith eval`."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.models.export_dflash import save_native_drafter
+from draftsmith.train.loop import train
+from tiny_runs import tiny_recipe
+
+POSTHOC = dict(data__num_conversations=32, data__prompt_chars=120, data__regen_max_new_tokens=40,
+               train__seq_len=96, train__eval_every=15, train__log_every=5, train__save_every=100)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    run = tmp_path_factory.mktemp("target") / "mtp"
+    train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=60, train__batch_size=8,
+                      train__seq_len=64, train__eval_every=100, train__save_every=100))
+    return run
+
+
+def posthoc(name, run, target, **extra):
+    return tiny_recipe(name, run, target__path=str(target), **{**POSTHOC, **extra})
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def evaluate(target, out, *drafters, extra=()):
+    args = ["eval", "--target", str(target), "--out", str(out), "--num-prompts", "3", "--max-new-tokens", "24",
+            "--prompt-chars", "120", *extra]
+    for spec in drafters:
+        args += ["--drafter", spec]
+    assert main(args) == 0
+    return {d["name"]: d for d in json.loads((out / "report.json").read_text())["drafters"]}
+
+
+def test_eagle3_trains_with_ttt_and_decodes_losslessly_as_chain_and_tree(target, tmp_path):
+    run = tmp_path / "eagle3"
+    train(posthoc("eagle3", run, target, train__max_steps=30, train__lr=3e-3, method__draft_vocab_size=256,
+                  method__ttt_length=3))
+    rows = metrics(run)
+    val = [r for r in rows if "val/loss" in r]
+    assert val[-1]["val/loss"] < val[0]["val/loss"]
+    assert {"val/acc_1", "val/acc_3", "val/tau_est"} <= set(val[-1])
+    config = json.loads((run / "model" / "config.json").read_text())["config"]
+    assert config["draft_vocab_size"] == 256 and len(config["target_layer_ids"]) == 3
+    # eval checks greedy output against plain decoding token for token, or fails.
+    report = evaluate(target, tmp_path / "r", f"eagle3:{run}", f"eagle3_tree:{run}", extra=("--num-draft", "6"))
+    assert report["eagle3"]["tau"] >= 1.0 and report["eagle3_tree"]["tau"] >= 1.0
+
+
+def test_trained_dflash_beats_an_untrained_one(target, tmp_path):
+    run = tmp_path / "dflash"
+    train(posthoc("dflash", run, target, train__max_steps=40, train__lr=3e-3, method__num_anchors=16,
+                  method__block_size=8))
+    val = [r for r in metrics(run) if "val/loss" in r]
+    assert val[-1]["val/loss"] < val[0]["val/loss"] and "val/tau_est" in val[-1]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target / "model")
+    config = json.loads((run / "model" / "config.json").read_text())["config"]
+    torch.manual_seed(0)
+    save_native_drafter(DFlashDrafter(DFlashConfig(**config)), tmp_path / "untrained")
+    assert model.config.num_hidden_layers == config["num_target_layers"]
+    report = evaluate(target, tmp_path / "r", f"dflash:{run}", f"dflash:{tmp_path / 'untrained'}")
+    names = list(report)
+    trained, untrained = report[names[0]], report[names[1]]
+    assert trained["tau"] > untrained["tau"] + 0.15, (trained["tau"], untrained["tau"])
+
+
+def test_dspark_on_a_frozen_dflash_backbone_and_confusions(target, tmp_path, capsys):
+    backbone = tmp_path / "dflash"
+    train(posthoc("dflash", backbone, target, train__max_steps=20, train__lr=3e-3, method__num_anchors=16,
+                  method__block_size=8))
+    run = tmp_path / "dspark"
+    train(posthoc("dspark", run, target, train__max_steps=20, train__lr=3e-3, method__num_anchors=16,
+                  method__backbone=str(backbone), method__freeze_backbone=True, method__markov_rank=16))
+    config = json.loads((run / "model" / "config.json").read_text())
+    assert config["method"] == "dspark" and config["config"]["block_convention"] == "anchor_is_context"
+    report = evaluate(target, tmp_path / "r", f"dspark:{run}", f"dflash:{backbone}")
+    # The trained refiner and confidence head raise tau over their own frozen backbone.
+    assert report["dspark"]["tau"] > report["dflash"]["tau"] + 0.5, (report["dspark"]["tau"], report["dflash"]["tau"])
+    assert {"early_stops", "verify_rows_saved"} <= set(report["dspark"]["extra"])
+    # A DSpark checkpoint read as DFlash, and the reverse: one line each, no report.
+    capsys.readouterr()
+    for spec in (f"dflash:{run}", f"dspark:{backbone}"):
+        assert main(["eval", "--target", str(target), "--out", str(tmp_path / "bad"), "--drafter", spec]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("holds a dspark drafter" in err[0] or "holds a dflash drafter" in err[0]), err
+    assert not (tmp_path / "bad").exists()
+    # A refiner pointed at a backbone trained for another target.
+    other = tmp_path / "other_target"
+    train(tiny_recipe("mtp", other, target__num_layers=4, target__hidden_size=32, target__num_heads=2,
+                      train__max_steps=1))
+    with pytest.raises(DraftsmithError, match="method.backbone"):
+        train(posthoc("dspark", tmp_path / "x", other, method__backbone=str(backbone)))
+
+
+def test_posthoc_bad_input(target, tmp_path):
+    with pytest.raises(DraftsmithError, match="set target.path"):
+        train(tiny_recipe("eagle3", tmp_path / "a", target__path=""))
+    no_answers = tmp_path / "users.jsonl"
+    no_answers.write_text('{"messages": [{"role": "user", "content": "hello"}]}\n')
+    with pytest.raises(DraftsmithError, match="no assistant"):
+        train(posthoc("eagle3", tmp_path / "b", target, data__dataset=str(no_answers), data__regenerate=False))
+    with pytest.raises(DraftsmithError, match="larger than the target vocabulary|does not fit"):
+        train(posthoc("eagle3", tmp_path / "c", target, method__draft_vocab_size=100000))
+    with pytest.raises(DraftsmithError, match="beyond the target's depth|layers"):
+        train(posthoc("dflash", tmp_path / "d", target, method__target_layer_ids=[0, 5]))

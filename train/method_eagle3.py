@@ -1,0 +1,36 @@
+"""EAGLE-3 trained post hoc with training-time test against the frozen target.
+
+The draft vocabulary is the most frequent target tokens under the loss mask of this run's
+own training rows (the target's answers), built before the first step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.draft_vocab import build_draft_vocab
+from draftsmith.models.eagle3 import Eagle3Drafter, check_target_fits, save_eagle3
+from draftsmith.train.posthoc import LossForward, PostHocMethod
+
+
+class Method(PostHocMethod):
+    def __init__(self, recipe, device):
+        super().__init__(recipe, device)
+        drafter = Eagle3Drafter.from_target(self.target, **recipe.method.params)
+        check_target_fits(drafter.config, self.target)
+        rows = self.train_data[:]
+        d2t, t2d = build_draft_vocab([rows["input_ids"]], [rows["loss_mask"] * rows["attention_mask"]],
+                                     drafter.config.vocab_size, drafter.config.draft_vocab_size)
+        drafter.set_draft_vocab(d2t, t2d)
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
+
+    def loss(self, model, batch, step):
+        out = self.features(batch, self.layer_ids)
+        hidden = torch.cat([out.hidden[i] for i in self.layer_ids], dim=-1).float()
+        return model(hidden, batch["input_ids"], out.logits.float(), batch["loss_mask"], batch["attention_mask"])
+
+    def save(self, model, out_dir: Path) -> Path:
+        return save_eagle3(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})
