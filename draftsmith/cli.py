@@ -46,6 +46,12 @@ def _regenerate(args) -> None:
     print(f"wrote {out}")
 
 
+def _export(args) -> None:
+    from draftsmith.models.export import export_run
+
+    print(f"wrote {export_run(args.run_dir, args.format, args.out)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -53,13 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a recipe (also: accelerate launch -m draftsmith.train)")
     p.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny/mtp.yaml")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides; they win over the recipe")
-    p.set_defaults(run=_train)
+    p.set_defaults(handler=_train)
 
     p = sub.add_parser("plan", help="size the draft count D from the target's head grouping (tile rule)")
     p.add_argument("target", help="a model folder, a config.json, or a hub name")
     p.add_argument("--tile", type=int, default=128, help="rows of the verify kernel's tile (default 128)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.set_defaults(run=_plan)
+    p.set_defaults(handler=_plan)
 
     p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
     p.add_argument("--target", required=True, help="the target: a model folder or a training run folder")
@@ -77,7 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
     p.add_argument("--tile", type=int, default=128)
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
-    p.set_defaults(run=_eval)
+    p.set_defaults(handler=_eval)
+
+    p = sub.add_parser("export", help="write a trained drafter in a serving engine's layout")
+    p.add_argument("run_dir", metavar="RUN", help="a training run folder (or its model/ folder)")
+    p.add_argument("--format", required=True, choices=["sglang", "vllm", "native", "zlab", "dspark"],
+                   help="sglang|vllm|native for EAGLE-3; zlab|native for DFlash; dspark|native for DSpark")
+    p.add_argument("--out", required=True, help="the folder to write (whole or not at all)")
+    p.set_defaults(handler=_export)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True,
                                                                           metavar="STEP")
@@ -90,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--limit", type=int, default=None, help="at most this many conversations")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(run=_regenerate)
+    p.set_defaults(handler=_regenerate)
     return parser
 
 
@@ -112,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     try:
-        args.run(args)
+        args.handler(args)
     except DraftsmithError as exc:
         print(f"draftsmith: error: {exc}", file=sys.stderr)
         return 2

@@ -282,7 +282,9 @@ class SpeculativeDecoder:
         # what it can commit, and the tokens past the limit are simply not kept.
         draft = self.drafter.propose(self.num_draft, state.sampling, state.generator)
         if len(draft) > self.num_draft:
-            raise DraftsmithError(f"drafter {self.drafter.name} proposed {len(draft)} nodes, more than {self.num_draft}")
+            raise DraftsmithError(
+                f"drafter {self.drafter.name} proposed {len(draft)} nodes, more than {self.num_draft}"
+            )
         t1 = self._clock()
 
         draft_list = draft.tokens.tolist()
@@ -347,7 +349,8 @@ class SpeculativeDecoder:
         q = None if probs is None else probs.to(self.device, torch.float32)
         if q is not None and q.shape[-1] != p.shape[-1]:
             raise DraftsmithError(
-                f"drafter {self.drafter.name} gives probabilities over {q.shape[-1]} tokens, the target over {p.shape[-1]}"
+                f"drafter {self.drafter.name} gives probabilities over {q.shape[-1]} tokens, "
+                f"the target over {p.shape[-1]}"
             )
         if children is None:
             a, bonus = accept_chain_sampled(p, drafts, q, state.generator)
@@ -365,7 +368,8 @@ class SpeculativeDecoder:
         impl = getattr(self.target.config, "_attn_implementation", "") or ""
         if "flash" in impl:
             raise DraftsmithError(
-                f"tree drafts need a 4D attention mask, which attn_implementation={impl!r} ignores; use 'sdpa' or 'eager'"
+                f"tree drafts need a 4D attention mask, which attn_implementation={impl!r} ignores; "
+                "use 'sdpa' or 'eager'"
             )
         if any(getattr(cache, "is_sliding", ())):
             raise DraftsmithError("tree drafts need a full-attention KV cache; this target has sliding-window layers")
@@ -380,5 +384,7 @@ class SpeculativeDecoder:
                 )
             prompt = prompt[0]
         if prompt.dim() != 1 or prompt.numel() == 0:
-            raise DraftsmithError(f"prompt must be a non-empty 1D (or [1, T]) tensor of token ids, got shape {tuple(prompt.shape)}")
+            raise DraftsmithError(
+                f"prompt must be a non-empty 1D (or [1, T]) tensor of token ids, got shape {tuple(prompt.shape)}"
+            )
         return prompt

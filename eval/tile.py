@@ -14,32 +14,15 @@ and for a draft tree the node count, root included, takes the place of `1 + D`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import read_json
+from draftsmith.models.tile import TilePlan, has_heads, plan_tile  # noqa: F401  (the rule itself)
 
 # Row counts of the verify tiles in use: FlashMLA 64; FA3 (head_dim 128/256), FA4 and
 # FlashInfer 128; FA3 at head_dim <= 96 192; 256 on the widest configurations.
 COMMON_TILES = (64, 128, 192, 256)
-
-# GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`.
-_HEAD_KEYS = ("num_attention_heads", "n_head")
-
-
-@dataclass(frozen=True)
-class TilePlan:
-    """Figures named as in DESIGN.md section 3; H and KV are whole-model counts."""
-
-    H: int  # query heads
-    KV: int  # KV heads (1 for multi-latent attention)
-    G: int  # query heads per KV head on one tensor-parallel rank
-    tile: int  # rows per tile, T
-    tp: int  # tensor-parallel degree
-    D: int  # drafts that fit one tile with the root token
-    mla: bool  # multi-latent attention: all heads share one latent KV
-
 
 def read_target_config(spec: str | Path) -> dict:
     """The attention fields of a target: `spec` is a model folder, a config.json, or a hub
@@ -55,9 +38,9 @@ def read_target_config(spec: str | Path) -> dict:
         raise DraftsmithError(f"{spec}: config is not a JSON object")
     # Multimodal configs (Llava, Gemma 3, Llama 4, ...) keep the language model's
     # attention fields under `text_config`.
-    if not _has_heads(config) and isinstance(config.get("text_config"), dict):
+    if not has_heads(config) and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-    if not _has_heads(config):
+    if not has_heads(config):
         raise DraftsmithError(
             f"{spec}: config has no num_attention_heads (nor text_config.num_attention_heads)"
         )
@@ -81,40 +64,6 @@ def _cached_hub_config(name: str) -> dict:
             f"{name}: not a model folder or config.json, and not loadable from the local "
             f"Hugging Face cache ({reason})"
         ) from None
-
-
-def _has_heads(config: dict) -> bool:
-    return any(config.get(key) for key in _HEAD_KEYS)
-
-
-def plan_tile(config: dict, tile: int = 128, tp: int = 1) -> TilePlan:
-    """Size the draft for `config` on a verify kernel with `tile` rows at tensor parallel `tp`."""
-    if tile < 1 or tp < 1:
-        raise DraftsmithError(f"tile ({tile}) and tp ({tp}) must be positive")
-    heads = next((config[key] for key in _HEAD_KEYS if config.get(key)), None)
-    if heads is None:
-        raise DraftsmithError("config has no num_attention_heads")
-    mla = config.get("kv_lora_rank") is not None
-    if mla:
-        # MLA caches one latent vector per token that every query head attends to.
-        kv = 1
-    elif config.get("num_key_value_heads") is not None:
-        kv = config["num_key_value_heads"]
-    elif config.get("multi_query"):
-        kv = 1
-    else:
-        kv = heads  # plain multi-head attention
-    if kv < 1 or heads % kv:
-        raise DraftsmithError(
-            f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
-        )
-    if heads % tp:
-        raise DraftsmithError(f"num_attention_heads {heads} does not split over tp {tp}")
-    # KV heads are split across ranks, or replicated when there are fewer than ranks.
-    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-        raise DraftsmithError(f"num_key_value_heads {kv} does not split over tp {tp}")
-    group = (heads // tp) // max(1, kv // tp)
-    return TilePlan(H=heads, KV=kv, G=group, tile=tile, tp=tp, D=max(0, tile // group - 1), mla=mla)
 
 
 def tree_budget(plan: TilePlan) -> int:

@@ -36,6 +36,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.tile import plan_tile
 
 # Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
 # drafts). Keyed by drafts so that DSpark's convention gets the same decay per draft.
@@ -58,19 +59,9 @@ def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
 
 
 def tile_draft_budget(target_config, tile: int = 128) -> tuple[int, int]:
-    """(G, D) of the tile rule at tp 1 (DESIGN.md section 3): D = max(0, tile // G - 1).
-
-    eval/tile.py is the full planner (tensor parallel, reports); models/ may not import
-    eval/, so the rule is restated here for sizing the block."""
-    heads = target_config.num_attention_heads
-    if getattr(target_config, "kv_lora_rank", None) is not None or getattr(target_config, "multi_query", False):
-        kv = 1  # multi-latent / multi-query attention: one KV for all heads
-    else:
-        kv = getattr(target_config, "num_key_value_heads", None) or heads
-    if heads % kv:
-        raise DraftsmithError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    group = heads // kv
-    return group, max(0, tile // group - 1)
+    """(G, D) of the tile rule at tp 1."""
+    plan = plan_tile(target_config, tile)
+    return plan.G, plan.D
 
 
 def auto_block_size(target_config, tile: int = 128, first_prediction_slot: int = 1) -> int:

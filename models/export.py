@@ -51,3 +51,51 @@ def load_mtp(target_dir: str | Path, target: nn.Module) -> tuple[MTPHeads, MTPCo
     heads = MTPHeads.for_target(target, config.num_depths)
     load_state_strict(heads, mtp_from_deepseek_names(load_native_weights(folder)), source=str(folder))
     return heads, config
+
+
+# `draftsmith export RUN --format F`: which formats each method's runs can be written in.
+FORMATS = {
+    "eagle3": ("sglang", "vllm", "native"),
+    "dflash": ("zlab", "native"),
+    "dspark": ("dspark", "native"),
+}
+
+
+def export_run(run: str | Path, fmt: str, out_dir: str | Path) -> Path:
+    """Write the drafter of a training run (or a native drafter folder) in format `fmt`."""
+    import shutil
+
+    from draftsmith.fsutil import atomic_dir
+    from draftsmith.models.target import resolve_model_dir
+
+    folder = Path(resolve_model_dir(run))
+    if _is_hf_model(folder):
+        raise DraftsmithError(f"{run} is a Hugging Face model folder (the target with its MTP modules, or a "
+                              f"draft model): serving engines load {folder} as it is")
+    method = read_native_meta(folder)["method"]
+    if method not in FORMATS:
+        raise DraftsmithError(f"{run}: no export for method {method!r}")
+    if fmt not in FORMATS[method]:
+        raise DraftsmithError(f"{run} holds a {method} drafter: --format must be one of {', '.join(FORMATS[method])}")
+    if fmt == "native":
+        with atomic_dir(out_dir) as tmp:
+            for name in ("config.json", "model.safetensors"):
+                shutil.copy2(folder / name, tmp / name)
+        return Path(out_dir)
+    if method == "eagle3":
+        from draftsmith.models.export_eagle3 import export_eagle3
+
+        return export_eagle3(folder, out_dir, fmt)
+    from draftsmith.models.export_dflash import export_dflash_zlab, export_dspark, load_native_drafter
+
+    drafter = load_native_drafter(folder, method)
+    return export_dspark(drafter, out_dir) if method == "dspark" else export_dflash_zlab(drafter, out_dir)
+
+
+def _is_hf_model(folder: Path) -> bool:
+    try:
+        import json
+
+        return "architectures" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False

@@ -164,7 +164,8 @@ def main(argv=None) -> int:
         "draft model": {"assistant_model": draft},
     }
     print(f"target: {args.target or 'random tiny llama (8 layers, H 256, 8q/1kv)'}  D = {D}  "
-          f"prompts = {len(prompts)}  new tokens = {args.new_tokens}  device = {device}  threads = {torch.get_num_threads()}")
+          f"prompts = {len(prompts)}  new tokens = {args.new_tokens}  device = {device}  "
+          f"threads = {torch.get_num_threads()}  repeats = {args.repeats} (fastest counts)")
 
     results = {}
     for name in ours:

@@ -46,7 +46,7 @@ if [ "$target" != - ]; then
   # Post hoc: against a tiny target trained here first, on a few short answers of its own.
   python3 -m draftsmith.train recipes/tiny/mtp.yaml "${TINY[@]}" train.max_steps=2 train.batch_size=4 \
     train.output_dir="$OUT/target" >"$OUT/target.log" 2>&1 || { tail -5 "$OUT/target.log"; exit 1; }
-  TINY+=(target.path="$OUT/target" train.seq_len=256 data.num_conversations=24 data.regen_max_new_tokens=24)
+  TINY+=(target.path="$OUT/target" train.seq_len=256 data.num_conversations=48 data.regen_max_new_tokens=24)
   [ "$method" = eagle3 ] && TINY+=(method.draft_vocab_size=128 method.ttt_length=2)
 fi
 

@@ -53,8 +53,7 @@ def world(request):
     with torch.no_grad():
         refs = [target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):]
                 for p in PROMPTS]
-    return SimpleNamespace(name=request.param, target=target, draft=draft, refs=refs,
-                           eos=target.generation_config.eos_token_id)
+    return SimpleNamespace(name=request.param, target=target, draft=draft, refs=refs)
 
 
 DRAFTERS = {

@@ -115,3 +115,24 @@ def test_posthoc_bad_input(target, tmp_path):
         train(posthoc("eagle3", tmp_path / "c", target, method__draft_vocab_size=100000))
     with pytest.raises(DraftsmithError, match="beyond the target's depth|layers"):
         train(posthoc("dflash", tmp_path / "d", target, method__target_layer_ids=[0, 5]))
+
+
+def test_export_cli_writes_engine_layouts_and_refuses_the_wrong_format(target, tmp_path, capsys):
+    run = tmp_path / "eagle3"
+    train(posthoc("eagle3", run, target, train__max_steps=2, method__draft_vocab_size=128, method__ttt_length=2))
+    for fmt in ("sglang", "vllm", "native"):
+        assert main(["export", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+    sglang = json.loads((tmp_path / "sglang" / "config.json").read_text())
+    vllm = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert vllm["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "zlab", "--out", str(tmp_path / "zlab")]) == 2
+    assert "must be one of sglang, vllm, native" in capsys.readouterr().err
+    assert main(["export", str(target), "--format", "native", "--out", str(tmp_path / "t")]) == 2
+    assert "serving engines load" in capsys.readouterr().err
+    assert not (tmp_path / "zlab").exists() and not (tmp_path / "t").exists()
+    # The exported drafter decodes exactly as the run it came from.
+    report = evaluate(target, tmp_path / "r", f"eagle3:{tmp_path / 'sglang'}", f"eagle3:{run}", extra=("--num-draft", "4"))
+    first, second = report.values()
+    assert first["tau"] == second["tau"]

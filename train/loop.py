@@ -44,6 +44,9 @@ def make_accelerator(recipe: Recipe, out_dir: Path):
         raise DraftsmithError(f"tracking.report_to: expected wandb, tensorboard or none, got {report_to!r}")
     if report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")  # no key: keep the run local, sync later
+    # DeepSpeed clips inside its engine (clip_grad_norm_ does nothing there) and fills its
+    # "auto" gradient_clipping from this variable; unset, accelerate puts 1.0.
+    os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(recipe.train.clip)
     return Accelerator(
         mixed_precision=mixed_precision(recipe.train.mixed_precision),
         gradient_accumulation_steps=recipe.train.grad_accum,
