@@ -90,3 +90,35 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     recipe = RECIPES[0]
     assert main(["train", str(recipe), "train.lr=oops"]) == 2
     assert "train.lr: expected float, got 'oops'" in capsys.readouterr().err
+
+
+def _real_target(name):
+    from transformers import LlamaConfig, Qwen3Config
+
+    if name == "llama31_8b":
+        return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                           rope_theta=500000.0)
+    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1000000.0)
+
+
+REAL = [p for p in RECIPES if p.parent.name in ("llama31_8b", "qwen3_8b")]
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
+def test_real_size_recipes_build_their_drafter_config_for_the_real_target(path):
+    """The real-size recipes cannot run here; their drafters must still fit their targets
+    (layer ids within depth, block within the tile rule, draft vocab within the vocab)."""
+    recipe = load_recipe(path)
+    config = _real_target(path.parent.name)
+    drafter_config = recipe.method.config_class().from_target(config, **recipe.method.params)
+    if recipe.method.name in ("dflash", "dspark"):
+        drafter_config.check_tile(config, recipe.target.tile)
+        expected_block = {"dflash": {"qwen3_8b": 16, "llama31_8b": 10}, "dspark": {"qwen3_8b": 7}}
+        assert drafter_config.block_size == expected_block[recipe.method.name][path.parent.name]
+        assert max(drafter_config.target_layer_ids) < config.num_hidden_layers
+    else:
+        assert drafter_config.draft_vocab_size == 32000
+        assert drafter_config.target_layer_ids == [1, config.num_hidden_layers // 2 - 1, config.num_hidden_layers - 4]
