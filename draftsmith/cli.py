@@ -30,7 +30,7 @@ def _eval(args) -> None:
 
     settings = EvalSettings(
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        temperatures=args.temperature or [0.0], top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         num_draft=args.num_draft, tile=args.tile, prompt_chars=args.prompt_chars, drafters=args.drafter,
     )
     print_summary(evaluate(args.target, settings, args.out), args.out)
@@ -43,6 +43,20 @@ def _regenerate(args) -> None:
     out = regenerate_command(str(resolve_model_dir(args.target)), args.dataset, args.out,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              batch_size=args.batch_size, limit=args.limit, seed=args.seed)
+    print(f"wrote {out}")
+
+
+def _cache_hidden(args) -> None:
+    import json
+
+    from draftsmith.recipe import load_recipe
+    from draftsmith.train.posthoc import cache_hidden
+
+    # The flags are overrides by another name (JSON-quoted: YAML would misread some paths).
+    flags = {"target.path": args.target, "data.dataset": args.dataset, "method.name": args.method}
+    overrides = [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
+    out = cache_hidden(load_recipe(args.recipe, overrides), args.out, batch_size=args.batch_size,
+                       shard_rows=args.shard_rows)
     print(f"wrote {out}")
 
 
@@ -75,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="embedded", help="a jsonl of turns/conversations/messages/prompt, or 'embedded'")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, action="append", default=None,
+                   help="0 = greedy (checked token for token against plain decoding); repeat for one report each")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -104,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most this many conversations")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_regenerate)
+
+    p = data.add_parser("cache-hidden", help="store the target features a post-hoc method trains on, once "
+                                              "(resumable); train with data.feature_cache=OUT")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides")
+    p.add_argument("--recipe", default=None, help="the recipe the cache is for (its data, seq_len, seed, method)")
+    p.add_argument("--target", default=None, help="target.path: a model folder or a training run folder")
+    p.add_argument("--dataset", default=None, help="data.dataset: a conversations file or 'embedded'")
+    p.add_argument("--method", default=None, choices=["eagle3", "dflash", "dspark"], help="method.name")
+    p.add_argument("--out", required=True, help="the cache folder (a rerun resumes it)")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per target forward")
+    p.add_argument("--shard-rows", type=int, default=0, help="rows per shard file (default: about 1 GB each)")
+    p.set_defaults(handler=_cache_hidden)
     return parser
 
 

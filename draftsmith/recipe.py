@@ -60,6 +60,7 @@ class DataSection:
     regenerate: bool = True  # post-hoc methods: answer the prompts with the target itself
     regen_max_new_tokens: int = 96
     regen_temperature: float = 0.0
+    feature_cache: str = ""  # post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded
 
 
 @dataclass

@@ -16,7 +16,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import DecodeStats, SpeculativeDecoder
 from draftsmith.eval.drafter import SamplingParams
 from draftsmith.eval.drafters import load_drafter, parse_spec
-from draftsmith.eval.report import format_table, speedup_bound, write_report
+from draftsmith.eval.report import format_table, speedup_bound, write_index, write_report
+from draftsmith.fsutil import atomic_dir
 from draftsmith.eval.tile import plan_tile, read_target_config
 from draftsmith.models.target import resolve_model_dir
 
@@ -26,7 +27,7 @@ class EvalSettings:
     dataset: str = "embedded"
     num_prompts: int = 8
     max_new_tokens: int = 64
-    temperature: float = 0.0
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # one report each
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
@@ -90,7 +91,9 @@ def _tokens_per_s(stats: DecodeStats, outputs: list[list[int]]) -> float:
     return sum(len(o) for o in outputs) / max(stats.total_s, 1e-9)
 
 
-def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Path) -> dict:
+def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Path) -> list[dict]:
+    """One report per temperature; with several, each in its own subfolder `t<temperature>`
+    and an index `report.md` with their tables. The folder is written whole or not at all."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftsmith.models.target import freeze
@@ -99,6 +102,8 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
         raise DraftsmithError("eval: give at least one --drafter")
     for spec in settings.drafters:  # cheap checks before any model is loaded
         parse_spec(spec)
+    for t in settings.temperatures:
+        SamplingParams(t, settings.top_k, settings.top_p)  # validates
     folder = target_dir(target_path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = freeze(AutoModelForCausalLM.from_pretrained(str(folder)).to(device))
@@ -106,9 +111,31 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     plan = plan_tile(read_target_config(folder), tile=settings.tile)
     num_draft = plan.D if settings.num_draft is None else settings.num_draft
     prompts = prompt_ids(tokenizer, settings, target.config.max_position_embeddings)
-    sampling = SamplingParams(settings.temperature, settings.top_k, settings.top_p)
     drafters = [load_drafter(spec, target) for spec in settings.drafters]  # fail before any decoding
 
+    runs = []
+    for temperature in settings.temperatures:
+        sampling = SamplingParams(temperature, settings.top_k, settings.top_p)
+        results = _run(target, drafters, prompts, settings, sampling, num_draft)
+        results["target"] = {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile,
+                             "D": num_draft}
+        runs.append(results)
+    if len(runs) == 1:
+        write_report(runs[0], out_dir)
+    else:
+        with atomic_dir(out_dir) as tmp:
+            for results in runs:
+                write_report(results, tmp / _label(results))
+            write_index([(_label(r), r) for r in runs], tmp)
+    return runs
+
+
+def _label(results: dict) -> str:
+    return f"t{results['settings']['temperature']:g}"
+
+
+def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingParams, num_draft: int) -> dict:
+    """Plain decoding, then each drafter, on the same prompts with the same settings."""
     baseline_decoder = SpeculativeDecoder(target, drafters[0], num_draft=num_draft)
     baseline_decoder.generate_plain(prompts[0][:8], 4)  # warm-up: first calls pay one-off costs
     base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, True, "plain decoding")
@@ -116,10 +143,11 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     base_tps = _tokens_per_s(base_stats, base_out)
 
     rows, outputs = [], {"baseline": base_out}
+    unique = len({d.name for d in drafters}) == len(drafters)
     for spec, drafter in zip(settings.drafters, drafters):
         decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft)
         decoder.generate(prompts[0][:8], 4, sampling)  # warm-up
-        stats, out = _decode_all(decoder, prompts, settings, sampling, False, spec)
+        stats, out = _decode_all(decoder, prompts, settings, sampling, False, f"{spec} t={sampling.temperature:g}")
         if sampling.greedy:
             for i, (mine, plain) in enumerate(zip(out, base_out)):
                 if mine != plain:
@@ -127,7 +155,7 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
         tps = _tokens_per_s(stats, out)
         t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
         row = {
-            "name": drafter.name if len({d.name for d in drafters}) == len(drafters) else spec,
+            "name": drafter.name if unique else spec,
             "spec": spec, "num_draft": num_draft, "tau": stats.tau,
             "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
@@ -142,20 +170,19 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
         rows.append(row)
         outputs[row["name"]] = out
 
-    results = {
-        "target": {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile, "D": num_draft},
+    return {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
-                     "temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
+                     "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                      "seed": settings.seed},
         "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target},
         "drafters": rows,
         "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()}}
                     for i, p in enumerate(prompts)],
     }
-    write_report(results, out_dir)
-    return results
 
 
-def print_summary(results: dict, out_dir) -> None:
-    print(format_table(results))
+def print_summary(runs: list[dict], out_dir) -> None:
+    for results in runs:
+        print(f"temperature {results['settings']['temperature']:g}:")
+        print(format_table(results))
     print(f"report: {Path(out_dir) / 'report.md'}")

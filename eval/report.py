@@ -76,6 +76,23 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def write_index(runs: list[tuple[str, dict]], out_dir: str | Path) -> None:
+    """The front page of several reports (one per temperature): their drafter tables side
+    by side, each linking to its full report. `out_dir` exists; the caller owns atomicity."""
+    out_dir = Path(out_dir)
+    target = runs[0][1]["target"]
+    lines = ["# Speculative decoding report", "",
+             f"Target `{target['path']}`: G = {target['G']} query heads per KV head, tile {target['tile']} rows, "
+             f"D = {target['D']} drafts per verify.", "", TAU_NOTE, ""]
+    for label, results in runs:
+        s = results["settings"]
+        lines += [f"## Temperature {s['temperature']:g} ([full report]({label}/report.md))", "",
+                  f"{s['num_prompts']} prompts from `{s['dataset']}`, {s['max_new_tokens']} new tokens each.", "",
+                  format_table(results), "", f"![tau]({label}/tau.png) ![acceptance]({label}/acceptance.png)", ""]
+    (out_dir / "report.md").write_text("\n".join(lines))
+    write_json(out_dir / "report.json", {"runs": {label: f"{label}/report.json" for label, _ in runs}})
+
+
 def format_table(results: dict) -> str:
     """The drafters side by side, plain decoding first, as a Markdown table."""
     _check(results)

@@ -36,6 +36,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
 from draftsmith.models.tile import plan_tile
 
 # Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
@@ -97,6 +98,7 @@ class DFlashConfig:
     mask_token_id: int | None = None
     gamma: float | None = None  # loss decay over draft positions
     num_anchors: int = 512  # blocks per sequence in one training pass
+    attention_backend: str = "sdpa"  # training attention: sdpa, flex, auto (models/attention.py)
 
     # Draft j is read from slot j - 1 + first_prediction_slot (module docstring).
     @property
@@ -171,6 +173,7 @@ class DFlashConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise DraftsmithError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        check_backend(self.attention_backend)
         if self.gamma is None:
             self.gamma = default_gamma(self.drafts_per_block)
         return self
@@ -228,20 +231,22 @@ class DFlashAttention(nn.Module):
         return _rotate(k, cos, sin), v
 
     def forward(self, x, context_k, context_v, cos, sin, visible=None) -> torch.Tensor:
-        """x: [B, Q, H] block rows; visible: bool [B, 1, Q, Tc + Q] or None (all visible).
+        """x: [B, Q, H] block rows; visible: bool [B, 1, Q, Tc + Q], a flex BlockMask of the
+        same predicate (`block_mask_mod`), or None (all visible).
 
-        CPU and plain GPU runs use SDPA with the explicit mask. At training scale the mask
-        is block-sparse (each block reads a context prefix and its own B keys), which is
-        what flex attention exploits: build a BlockMask from the predicate documented in
-        `block_visibility` and call flex_attention(q, k, v, block_mask=...) here instead;
-        at decode there is no mask at all, so any flash kernel with is_causal=False fits.
+        The dense mask goes to SDPA. At training scale the mask is block-sparse (each block
+        reads a context prefix and its own B keys), which flex attention exploits; at
+        decode there is no mask at all.
         """
         shape = (*x.shape[:2], -1, self.head_dim)
         q = _rotate(self.q_norm(self.q_proj(x).view(shape)).transpose(1, 2), cos, sin)
         k, v = self.project_kv(x, cos, sin)
-        k = repeat_kv(torch.cat([context_k, k], dim=2), self.groups)
-        v = repeat_kv(torch.cat([context_v, v], dim=2), self.groups)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scaling)
+        k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
+        if is_block_mask(visible):
+            out = flex_attend(q, k, v, visible, self.scaling)
+        else:
+            k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
 
@@ -273,6 +278,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(qc)  # inv_freq is a non-persistent buffer
+        self.gradient_checkpointing = False  # recompute each layer in backward (train.gradient_checkpointing)
         for module in self.modules():
             if isinstance(module, nn.Linear):  # the transformers initialisation (std 0.02)
                 nn.init.normal_(module.weight, std=0.02)
@@ -295,8 +301,9 @@ class DFlashDrafter(nn.Module):
         """Final-normed hidden states [B, Q, H] of block rows at positions [B, Q]."""
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(x, block_positions)
+        recompute = self.gradient_checkpointing and self.training
         for layer, (k, v) in zip(self.layers, context_kv):
-            x = layer(x, k, v, cos, sin, visible)
+            x = checkpointed(recompute, layer, x, k, v, cos, sin, visible)
         return self.norm(x)
 
     def decode_hidden(self, anchor: torch.Tensor, cache: "ContextCache", embed: nn.Module) -> torch.Tensor:
@@ -315,7 +322,8 @@ class DFlashDrafter(nn.Module):
         batch, seq = target_hidden.shape[:2]
         positions = torch.arange(seq, device=target_hidden.device).expand(batch, seq)
         kv = self.context_kv(target_hidden, positions)
-        visible = block_visibility(blocks.anchors, seq, self.config.block_size)
+        visible = training_mask(blocks.anchors, seq, self.config.block_size,
+                                use_flex(self.config.attention_backend, target_hidden.device))
         hidden = self(embed(blocks.input_ids.flatten(1)), blocks.positions.flatten(1), kv, visible)
         first = self.first_prediction_slot
         hidden = hidden.view(*blocks.anchors.shape, self.config.block_size, -1)
@@ -400,14 +408,32 @@ def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int) -
 
     Query q of block i = q // block sees context key k iff k < anchors[:, i] and block key
     k iff (k - T) // block == i: the context strictly before its anchor and its own block,
-    nothing of any other block. As a flex-attention mask_mod the same predicate reads
-        lambda b, h, q, k: where(k < T, k < anchors[b, q // B], (k - T) // B == q // B).
+    nothing of any other block. `block_mask_mod` is the same predicate for flex attention.
     """
     queries = anchors.shape[1] * block_size
     block_of = torch.arange(queries, device=anchors.device) // block_size
     context = torch.arange(context_len, device=anchors.device) < anchors[:, block_of, None]  # [B, Q, T]
     own = (block_of[:, None] == block_of[None, :]).expand(anchors.shape[0], -1, -1)
     return torch.cat([context, own], dim=-1)[:, None]
+
+
+def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int) -> Callable:
+    """`block_visibility`'s predicate as a flex-attention mask_mod (query q, key k)."""
+
+    def mask_mod(b, h, q, k):
+        block = q // block_size
+        return torch.where(k < context_len, k < anchors[b, block], (k - context_len) // block_size == block)
+
+    return mask_mod
+
+
+def training_mask(anchors: torch.Tensor, context_len: int, block_size: int, flex: bool = False):
+    """The visibility of a training pass: the dense mask, or the flex BlockMask of the same rule."""
+    if not flex:
+        return block_visibility(anchors, context_len, block_size)
+    queries = anchors.shape[1] * block_size
+    return block_mask(block_mask_mod(anchors, context_len, block_size), anchors.shape[0], queries,
+                      context_len + queries, anchors.device)
 
 
 def position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:

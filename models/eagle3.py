@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
 from draftsmith.models.native import (
     config_from_dict, load_native_weights, load_state_strict, read_native_meta, save_native,
 )
@@ -80,6 +81,7 @@ class Eagle3Config:
     max_position_embeddings: int | None = None
     ttt_length: int = 7
     ttt_decay: float = 0.8
+    attention_backend: str = "sdpa"  # TTT attention: sdpa (dense mask), flex, auto (models/attention.py)
 
     @classmethod
     def from_target(cls, target, **overrides) -> "Eagle3Config":
@@ -140,6 +142,7 @@ class Eagle3Config:
             raise DraftsmithError(
                 f"EAGLE-3 ttt_length must be >= 1 and ttt_decay in (0, 1], got {self.ttt_length} and {self.ttt_decay}"
             )
+        check_backend(self.attention_backend)
         return self
 
     def llama_config(self) -> LlamaConfig:
@@ -231,6 +234,22 @@ def attend(q, k, v, visible, own_k=(), own_v=()) -> torch.Tensor:
     return out.transpose(1, 2).flatten(2)
 
 
+def ttt_mask_mod(length: int, real: torch.Tensor | None):
+    """The visibility of TTT step i as a flex-attention mask_mod over the concatenated keys
+    [step 0 (`length`); step 1; ...; step i]: `attend`'s rule. Step-0 key k is visible to
+    query q when k <= q and k is a real token (`real` [B, length] bool, None: all) or k == q;
+    a key of a later step only at the query's own index."""
+
+    def mask_mod(b, h, q, k):
+        pos = k % length
+        context = pos <= q
+        if real is not None:
+            context = context & (real[b, pos] | (pos == q))
+        return torch.where(k < length, context, pos == q)
+
+    return mask_mod
+
+
 class DraftKV:
     """The drafter's own KV cache for one batch of sequences: [B, kv_heads, L, head_dim]."""
 
@@ -262,6 +281,7 @@ class Eagle3Drafter(nn.Module):
         self.norm = LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(c.llama_config())
+        self.gradient_checkpointing = False  # recompute each TTT step in backward (train.gradient_checkpointing)
         # Until a vocabulary is built: the first draft_vocab_size target ids.
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
@@ -336,34 +356,54 @@ class Eagle3Drafter(nn.Module):
             eye = torch.eye(length, dtype=torch.bool, device=device)
             visible = visible & (attention_mask.bool()[:, None, :] | eye)
         visible = visible.expand(batch, length, length)[:, None]
-        k0 = v0 = None
-        own_k, own_v, steps = [], [], []
+        flex = use_flex(self.config.attention_backend, device)
+        if flex:  # one BlockMask per step: step i reads (i + 1) * length keys
+            real = None if attention_mask is None else attention_mask.bool()
+            mask_mod = ttt_mask_mod(length, real)
+            visible = [block_mask(mask_mod, batch, length, (i + 1) * length, device)
+                       for i in range(self.config.ttt_length)]
+        recompute = self.gradient_checkpointing and self.training
+        step_k, step_v, steps = (), (), []
         for i in range(self.config.ttt_length):
             tokens = F.pad(input_ids[:, 1 + i :], (0, 1 + i))  # x_{t+1+i}; 0 where past the end (masked)
             cos, sin = self.rotary_emb(hidden, positions + i)
-            q, k, v = self.midlayer.attention_inputs(self.embed_tokens(tokens), hidden, cos, sin)
-            if i == 0:
-                k0, v0 = k, v
-            else:
-                own_k.append(k)
-                own_v.append(v)
-            hidden = self.midlayer.finish(hidden, attend(q, k0, v0, visible, own_k, own_v))
+            hidden, k, v = checkpointed(recompute, self.ttt_step, self.embed_tokens(tokens), hidden, cos, sin,
+                                        visible[i] if flex else visible, step_k, step_v)
+            step_k, step_v = (*step_k, k), (*step_v, v)
             steps.append(self.logits(hidden))
         return steps
 
-    def forward(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None):
+    def ttt_step(self, embeds, hidden, cos, sin, visible, step_k, step_v):
+        """One unrolled step over keys of the steps before it (`step_k`, step 0 first) and
+        its own: (output [B, T, H], its k, its v)."""
+        q, k, v = self.midlayer.attention_inputs(embeds, hidden, cos, sin)
+        keys, values = (*step_k, k), (*step_v, v)
+        if is_block_mask(visible):
+            attn = flex_attend(q, torch.cat(keys, 2), torch.cat(values, 2), visible, q.shape[-1] ** -0.5)
+            attn = attn.transpose(1, 2).flatten(2)
+        else:
+            attn = attend(q, keys[0], values[0], visible, keys[1:], values[1:])
+        return self.midlayer.finish(hidden, attn), k, v
+
+    def teacher(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All `loss` reads of the target's logits [.., V]: their draft-vocabulary columns
+        [.., V_d] and their full-vocabulary argmax [..] (what a feature cache stores)."""
+        return target_logits[..., self.draft_to_target], target_logits.argmax(-1)
+
+    def forward(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None):
         """The training step is a forward, so that DDP/FSDP/ZeRO wrappers see it: call the
         wrapped module as `model(...)`; unwrapped, `loss(...)` is the same call."""
-        return self.loss(target_hidden, input_ids, target_logits, loss_mask, attention_mask)
+        return self.loss(target_hidden, input_ids, target_logits, loss_mask, attention_mask, target_top)
 
-    def loss(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None):
+    def loss(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None):
         """TTT loss over `ttt_length` unrolled steps -> (loss, metrics).
 
         Inputs all come from one target forward over `input_ids` [B, T]: target_hidden
-        [B, T, 3 * H_t], target_logits [B, T, V]; loss_mask [B, T] marks the tokens to
-        learn to predict (assistant tokens); attention_mask [B, T] marks real tokens (pads
-        are hidden from attention; positions are 0..T-1, as in a target forward given no
-        position ids).
+        [B, T, 3 * H_t], target_logits [B, T, V] (or, with `target_top` given, `teacher`'s
+        pair: target_logits [B, T, V_d] and target_top [B, T]); loss_mask [B, T] marks the
+        tokens to learn to predict (assistant tokens); attention_mask [B, T] marks real
+        tokens (pads are hidden from attention; positions are 0..T-1, as in a target forward
+        given no position ids).
 
         Alignment. Drafter index t, step i (0-based) is the i-th draft of a chain whose
         committed context ends at position t: it reads (hidden, token x_{t+1+i}) at RoPE
@@ -388,8 +428,9 @@ class Eagle3Drafter(nn.Module):
         steps = self.ttt_logits(target_hidden, input_ids, attention_mask)
         draft_ids = self.draft_to_target
         with torch.no_grad():
-            teacher = target_logits[..., draft_ids].float().softmax(-1)  # [B, T, V_d]
-            target_top = target_logits.argmax(-1)
+            if target_top is None:
+                target_logits, target_top = self.teacher(target_logits)
+            teacher = target_logits.float().softmax(-1)  # [B, T, V_d]
             reachable = self.t2d[target_top]
         learn = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
         total = target_hidden.new_zeros((), dtype=torch.float32)

@@ -12,6 +12,8 @@ the *normed* output for the last layer, which is not what serving engines captur
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +96,14 @@ def capture_layers(model: nn.Module, layer_ids: Iterable[int]) -> Iterator[dict[
 
 def cache_kwarg(model: nn.Module) -> str:
     """The name under which this transformers version takes a cache (see module doc)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return _cache_kwarg_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(cls: type) -> str:
+    # Once per class: inspecting a signature costs tens of microseconds, and the decoder
+    # calls this for every forward of the target and of a draft model.
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def target_forward(
@@ -212,6 +220,9 @@ def load_target(path: str | Path, dtype: str = "auto", device: str | torch.devic
     if dtype != "auto":
         kwargs["dtype"] = getattr(torch, dtype)
     if attn_implementation:
+        if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+            raise DraftsmithError("target.attn_implementation flash_attention_2: flash-attn asked for but not "
+                                  "installed (pip install flash-attn, or use sdpa)")
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)

@@ -89,20 +89,21 @@ def hf_once(target, counter, prompt, new_tokens, **kwargs):
     return out[0, len(prompt):].tolist(), time.perf_counter() - t0, counter.calls
 
 
-def best_of(repeats, run):
-    """The fastest of `repeats` runs (the least disturbed by other load); all must agree."""
-    runs = [run() for _ in range(repeats)]
+def fastest(runs):
+    """The fastest run (the least disturbed by other load); every run must agree."""
     if any(r[0] != runs[0][0] for r in runs):
         raise RuntimeError("a run's output changed between repeats")
     return min(runs, key=lambda r: r[1])
 
 
 def measure(decoder, target, counter, prompts, new_tokens, repeats, hf_kwargs):
-    """Ours and transformers' prompt by prompt, interleaved so that load hits both alike."""
+    """Ours and transformers' alternately, prompt by prompt, so that load hits both alike."""
     ours_runs, hf_runs = [], []
     for prompt in prompts:
-        ours_runs.append(best_of(repeats, lambda: ours_once(decoder, prompt, new_tokens)))
-        hf_runs.append(best_of(repeats, lambda: hf_once(target, counter, prompt, new_tokens, **hf_kwargs)))
+        pairs = [(ours_once(decoder, prompt, new_tokens), hf_once(target, counter, prompt, new_tokens, **hf_kwargs))
+                 for _ in range(repeats)]
+        ours_runs.append(fastest([o for o, _ in pairs]))
+        hf_runs.append(fastest([h for _, h in pairs]))
     stats = ours_runs[0][2]
     for r in ours_runs[1:]:
         stats = stats.merge(r[2])

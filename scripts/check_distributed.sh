@@ -50,10 +50,12 @@ if [ "$target" != - ]; then
   [ "$method" = eagle3 ] && TINY+=(method.draft_vocab_size=128 method.ttt_length=2)
 fi
 
-# run NAME GRAD_ACCUM EVAL_BATCHES [accelerate launch options...]: 2 sequences per batch
+# run NAME GRAD_ACCUM EVAL_BATCHES [accelerate launch options...]: 2 sequences per batch.
+# A free port each time: other jobs on this machine may hold accelerate's default one.
 run() {
-  local name=$1 accum=$2 eval_batches=$3; shift 3
-  python3 -m accelerate.commands.launch "$@" -m draftsmith.train "$RECIPE" "${TINY[@]}" train.batch_size=2 \
+  local name=$1 accum=$2 eval_batches=$3 port; shift 3
+  port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  python3 -m accelerate.commands.launch --main_process_port "$port" "$@" -m draftsmith.train "$RECIPE" "${TINY[@]}" train.batch_size=2 \
     train.grad_accum="$accum" train.eval_batches="$eval_batches" train.output_dir="$OUT/$name" >"$OUT/$name.log" 2>&1
 }
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The embedded default, end to end, on a CPU and with no download (DESIGN.md section 9):
-# pretrain the tiny target with MTP heads on the stdlib corpus, train the other drafters
-# against it, and write one report comparing them on held-out prompts.
-# A stage whose output already exists is reused; `make clean` (or RUNS=elsewhere) starts over.
+# pretrain the tiny target with MTP heads on the stdlib corpus, train an external draft
+# model, EAGLE-3, DFlash and DSpark (a refiner on the DFlash backbone) against it, and write
+# one report comparing all six schemes (n-gram needs no training) on held-out prompts at
+# the tile rule's D, greedy and at temperature 1.
+# A stage whose model already exists is reused; `make clean` (or RUNS=elsewhere) starts over.
+# DEMO_OVERRIDES="train.max_steps=20" shrinks every training stage (a smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-runs/demo}
+read -r -a EXTRA <<< "${DEMO_OVERRIDES:-}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exists
@@ -14,17 +18,27 @@ stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exis
     echo "== $name: reusing $RUNS/$name/model"
   else
     echo "== $name: draftsmith train $recipe $*"
-    draftsmith train "$recipe" train.output_dir="$RUNS/$name" "$@"
+    local t0; t0=$(date +%s)
+    draftsmith train "$recipe" train.output_dir="$RUNS/$name" "$@" "${EXTRA[@]}"
+    echo "== $name: $(( $(date +%s) - t0 )) s"
   fi
 }
 
 start=$(date +%s)
 stage mtp recipes/tiny/mtp.yaml
 draftsmith plan "$RUNS/mtp/model"
-stage draft_lm recipes/tiny/draft_lm.yaml target.path="$RUNS/mtp"
+target=target.path="$RUNS/mtp"
+stage draft_lm recipes/tiny/draft_lm.yaml "$target"
+stage eagle3 recipes/tiny/eagle3.yaml "$target"
+stage dflash recipes/tiny/dflash.yaml "$target"
+stage dspark recipes/tiny/dspark.yaml "$target" method.backbone="$RUNS/dflash" method.freeze_backbone=true
 
-echo "== evaluating every drafter against plain decoding of the target"
+echo "== evaluating every drafter against plain decoding of the target (greedy, then temperature 1)"
+rm -rf "$RUNS/report"
 draftsmith eval --target "$RUNS/mtp" --out "$RUNS/report" --num-prompts 8 --max-new-tokens 64 \
-  --drafter ngram --drafter "draft_lm:$RUNS/draft_lm" --drafter "mtp:$RUNS/mtp"
+  --prompt-chars 240 --temperature 0 --temperature 1 \
+  --drafter ngram --drafter "draft_lm:$RUNS/draft_lm" --drafter "mtp:$RUNS/mtp" \
+  --drafter "eagle3:$RUNS/eagle3" --drafter "eagle3_tree:$RUNS/eagle3" \
+  --drafter "dflash:$RUNS/dflash" --drafter "dspark:$RUNS/dspark"
 
 echo "== done in $(( $(date +%s) - start )) s; the report is $RUNS/report/report.md (plots beside it)"

@@ -2,12 +2,15 @@
 on a 2-core CI machine as on a laptop, and no network ever."""
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Regenerated answers are cached across runs; tests keep theirs out of the user's cache.
+os.environ.setdefault("DRAFTSMITH_CACHE", tempfile.mkdtemp(prefix="draftsmith-test-cache-"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -45,11 +45,15 @@ def test_report_compares_drafters_side_by_side(runs, tmp_path, capsys):
     assert (out / "report.md").is_file() and (out / "acceptance.png").stat().st_size > 0
 
 
-def test_sampling_runs_and_reports(runs, tmp_path):
-    out = tmp_path / "sampled"
-    assert main(eval_args(runs, out, "--drafter", f"mtp:{runs / 'mtp'}", "--temperature", "1.0",
-                          "--num-draft", "2")) == 0
-    assert json.loads((out / "report.json").read_text())["settings"]["temperature"] == 1.0
+def test_greedy_and_sampled_reports_side_by_side(runs, tmp_path):
+    out = tmp_path / "both"
+    assert main(eval_args(runs, out, "--drafter", f"mtp:{runs / 'mtp'}", "--drafter", "ngram",
+                          "--temperature", "0", "--temperature", "1.0", "--num-draft", "2")) == 0
+    index = json.loads((out / "report.json").read_text())["runs"]
+    assert set(index) == {"t0", "t1"}
+    assert json.loads((out / "t1" / "report.json").read_text())["settings"]["temperature"] == 1.0
+    front = (out / "report.md").read_text()
+    assert "Temperature 0" in front and "Temperature 1" in front and "t1/report.md" in front
 
 
 @pytest.mark.parametrize("make_args, message", [

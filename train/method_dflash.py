@@ -45,22 +45,28 @@ class Method(PostHocMethod):
                 params.setdefault("mask_token_id", self.tokenizer.mask_token_id)
             config = config_cls.from_target(self.target.config, tile=tile, **params)
             drafter = module_cls(config)
+        drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
         self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
         self.layer_ids = list(drafter.config.target_layer_ids)
         head = self.target.get_output_embeddings()
         self.embed = self.target.get_input_embeddings()
         self.head = lambda h: head(h.to(head.weight.dtype))
+        self.check_cache()
+
+    def extract(self, out):
+        hidden = concat_layers(out.hidden, self.layer_ids)
+        return {"hidden": hidden, "logits": out.logits} if self.dspark else {"hidden": hidden}
 
     def loss(self, model, batch, step):
-        out = self.features(batch, self.layer_ids)
-        hidden = concat_layers(out.hidden, self.layer_ids).float()
+        f = self.features(batch)
+        hidden = f["hidden"].float()
         # Anchors are drawn from a generator seeded by the step, so a resumed run draws
         # the same blocks as the uninterrupted one.
         gen = torch.Generator(device=batch["input_ids"].device).manual_seed(
             self.recipe.train.seed * 1_000_003 + step * 2 + (0 if model.training else 1))
         mask = batch["loss_mask"] * batch["attention_mask"]
         if self.dspark:
-            return model(hidden, batch["input_ids"], mask, self.embed, self.head, out.logits, generator=gen)
+            return model(hidden, batch["input_ids"], mask, self.embed, self.head, f["logits"], generator=gen)
         return model(hidden, batch["input_ids"], mask, self.embed, self.head, generator=gen)
 
     def save(self, model, out_dir: Path) -> Path:

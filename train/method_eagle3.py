@@ -6,6 +6,7 @@ own training rows (the target's answers), built before the first step.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -20,17 +21,30 @@ class Method(PostHocMethod):
         super().__init__(recipe, device)
         drafter = Eagle3Drafter.from_target(self.target, **recipe.method.params)
         check_target_fits(drafter.config, self.target)
-        rows = self.train_data[:]
+        rows = self.train_tokens()
         d2t, t2d = build_draft_vocab([rows["input_ids"]], [rows["loss_mask"] * rows["attention_mask"]],
                                      drafter.config.vocab_size, drafter.config.draft_vocab_size)
         drafter.set_draft_vocab(d2t, t2d)
         self.layer_ids = list(drafter.config.target_layer_ids)
+        drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
         self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
+        self.check_cache()
+
+    def extract(self, out):
+        # All the loss reads of the logits (`teacher`): a feature cache keeps V_d + 1 numbers
+        # per position instead of V, and training from it is exact.
+        logits, top = self.model.drafter.teacher(out.logits)
+        return {"hidden": torch.cat([out.hidden[i] for i in self.layer_ids], dim=-1), "logits": logits,
+                "target_top": top}
+
+    def feature_spec(self):
+        d2t = self.model.drafter.d2t.cpu().numpy().tobytes()
+        return {**super().feature_spec(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16]}
 
     def loss(self, model, batch, step):
-        out = self.features(batch, self.layer_ids)
-        hidden = torch.cat([out.hidden[i] for i in self.layer_ids], dim=-1).float()
-        return model(hidden, batch["input_ids"], out.logits.float(), batch["loss_mask"], batch["attention_mask"])
+        f = self.features(batch)
+        return model(f["hidden"].float(), batch["input_ids"], f["logits"].float(), batch["loss_mask"],
+                     batch["attention_mask"], target_top=f["target_top"])
 
     def save(self, model, out_dir: Path) -> Path:
         return save_eagle3(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

@@ -3,11 +3,15 @@ DFlash, DSpark): the target itself, and the target's own answers as training dat
 
 The target is loaded frozen, kept outside the trainable module, and run under no_grad to
 capture the features a drafter reads; it never reaches the optimizer or a training wrapper.
+With `data.feature_cache=DIR` those features come from a cache that `cache_hidden` wrote
+(`draftsmith data cache-hidden`) instead, and only the target's embedding and head are loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import os
 import json
 from pathlib import Path
 
@@ -15,11 +19,19 @@ import torch
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.feature_cache import (
+    ROW_KEYS, FeatureCache, load_target_ends, target_fingerprint, write_feature_cache,
+)
 from draftsmith.models.target import TargetOutput, load_target, resolve_model_dir, target_forward
 from draftsmith.recipe import Recipe
-from draftsmith.train.methods import TrainMethod
+from draftsmith.train.methods import TrainMethod, build_method
 
 EVAL_FRACTION = 0.05
+
+
+def cache_dir() -> Path:
+    """Where derived data is kept between runs: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or Path.home() / ".cache" / "draftsmith")
 
 
 def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, bool]:
@@ -34,12 +46,13 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     embedded = data.dataset == "embedded"
     if not embedded and not data.regenerate:
         return data.dataset, False
-    # The settings are in the name: a rerun with the same ones (a resume) reuses the file,
-    # other settings never pick up a stale one.
+    # Answers depend only on the target and these settings, so every drafter trained
+    # against the same target shares them: they are cached under a key of both.
     settings = json.dumps([data.dataset, data.num_conversations, data.prompt_chars, data.regen_max_new_tokens,
-                           data.regen_temperature, recipe.train.seed, str(recipe.target.path)])
-    key = hashlib.sha256(settings.encode()).hexdigest()[:10]
-    out = Path(recipe.train.output_dir) / "data" / f"regenerated-{key}.jsonl"
+                           data.regen_temperature, recipe.train.seed,
+                           target_fingerprint(resolve_model_dir(recipe.target.path))], sort_keys=True)
+    key = hashlib.sha256(settings.encode()).hexdigest()[:16]
+    out = cache_dir() / "regenerated" / f"{key}.jsonl"
     with PartialState().main_process_first():  # one process answers; the others read its file
         if not out.is_file():
             conversations = (embedded_conversations(data.num_conversations, data.prompt_chars) if embedded
@@ -61,36 +74,111 @@ class LossForward(nn.Module):
         return self.drafter.loss(*args, **kwargs)
 
 
+def training_rows(recipe: Recipe, target, tokenizer):
+    """The rendered rows of a post-hoc run, split (train, eval), and where they came from:
+    the one definition an online run and a feature cache of it share."""
+    from draftsmith.data.chat import tokenize_conversations
+
+    source, plain = conversations_file(recipe, target, tokenizer)
+    rows = tokenize_conversations(source, tokenizer, recipe.train.seq_len, plain=plain)
+    n_eval = max(1, round(EVAL_FRACTION * len(rows)))
+    if len(rows) < 2:
+        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(rows)} usable conversation(s); "
+                              "need at least 2 (one held out for evaluation)")
+    split = rows.train_test_split(test_size=n_eval, seed=recipe.train.seed, shuffle=True)
+    return split["train"].with_format("torch"), split["test"].with_format("torch"), source
+
+
+def rows_settings(recipe: Recipe) -> dict:
+    """The recipe values `training_rows` depends on, besides the target: a feature cache
+    records them, and a run reading the cache must have the same."""
+    d, t = recipe.data, recipe.train
+    return {"data.dataset": d.dataset, "data.regenerate": d.regenerate, "data.num_conversations": d.num_conversations,
+            "data.prompt_chars": d.prompt_chars, "data.regen_max_new_tokens": d.regen_max_new_tokens,
+            "data.regen_temperature": d.regen_temperature, "train.seq_len": t.seq_len, "train.seed": t.seed}
+
+
 class PostHocMethod(TrainMethod):
-    """Loads the frozen target and its tokenizer, and the rendered training rows."""
+    """Loads the frozen target and its tokenizer, and the rendered training rows (or, from a
+    feature cache, the rows and their features, and the target's embedding and head only).
+
+    A subclass sets `layer_ids`, says in `extract` what its loss reads of a target forward,
+    reads it back through `features`, and calls `check_cache` once its layer ids are known."""
+
+    layer_ids: list[int]
 
     def __init__(self, recipe: Recipe, device: torch.device):
         super().__init__(recipe, device)
         from transformers import AutoTokenizer
 
-        from draftsmith.data.chat import tokenize_conversations
-
         if not recipe.target.path:
             raise DraftsmithError(f"method {recipe.method.name} trains against a frozen target: set target.path=")
         self.target_dir = resolve_model_dir(recipe.target.path)
-        self.target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
-                                  attn_implementation=recipe.target.attn_implementation)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.target_dir))
-        source, plain = conversations_file(recipe, self.target, self.tokenizer)
-        rows = tokenize_conversations(source, self.tokenizer, recipe.train.seq_len, plain=plain)
-        n_eval = max(1, round(EVAL_FRACTION * len(rows)))
-        if len(rows) < 2:
-            raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(rows)} usable conversation(s); "
-                                  "need at least 2 (one held out for evaluation)")
-        split = rows.train_test_split(test_size=n_eval, seed=recipe.train.seed, shuffle=True)
-        self.train_data = split["train"].with_format("torch")
-        self.eval_data = split["test"].with_format("torch")
+        self.cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
+        if self.cache is not None:
+            self.cache.expect_target(self.target_dir)
+            self.cache.expect(rows_settings(recipe), section="rows")
+            self.target = load_target_ends(self.target_dir, dtype=recipe.target.dtype, device=device)
+            n_train = self.cache.manifest["splits"]["train"]
+            self.train_data = self.cache.rows(0, n_train)
+            self.eval_data = self.cache.rows(n_train, self.cache.manifest["num_rows"])
+        else:
+            self.target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
+                                      attn_implementation=recipe.target.attn_implementation)
+            self.train_data, self.eval_data, self.rows_source = training_rows(recipe, self.target, self.tokenizer)
 
-    @torch.no_grad()
-    def features(self, batch: dict[str, torch.Tensor], layer_ids) -> TargetOutput:
-        """The frozen target's logits and the outputs of `layer_ids` for a batch."""
-        return target_forward(self.target, batch["input_ids"], attention_mask=batch["attention_mask"],
-                              capture=layer_ids)
+    def train_tokens(self) -> dict[str, torch.Tensor]:
+        """The training rows' token columns [N, T] without features (for a draft vocabulary)."""
+        return self.train_data.tokens if self.cache is not None else self.train_data[:]
+
+    def extract(self, out: TargetOutput) -> dict[str, torch.Tensor]:
+        """What the loss reads of one target forward ([B, T, ...] each); a cache stores exactly this."""
+        raise NotImplementedError
+
+    def feature_spec(self) -> dict:
+        """What, besides the target and the rows, decides `extract`'s output."""
+        return {"method": self.recipe.method.name, "layer_ids": list(self.layer_ids)}
+
+    def check_cache(self) -> None:
+        """Refuse a feature cache that holds other features than this run's loss reads."""
+        if self.cache is not None:
+            self.cache.expect(self.feature_spec())
+
+    def features(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`extract` of the frozen target's forward over the batch, or its cached copy."""
+        if self.cache is not None:
+            return {k: batch[k] for k in self.cache.manifest["tensors"]}
+        with torch.no_grad():
+            out = target_forward(self.target, batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 capture=self.layer_ids)
+            return self.extract(out)
 
     def tokens_in(self, batch) -> int:
         return int(batch["attention_mask"].sum())
+
+
+POSTHOC_METHODS = ("eagle3", "dflash", "dspark")
+
+
+def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
+    """Run the target once over the rows `recipe` trains on and store what its method's loss
+    reads of them (`draftsmith data cache-hidden`); resumable. Builds the method itself, so
+    the rows, split, layer ids and draft vocabulary are the training run's own."""
+    if recipe.method.name not in POSTHOC_METHODS:
+        raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(POSTHOC_METHODS)} "
+                              "read target features")
+    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    method = build_method(recipe, device)
+    train_rows, eval_rows = method.train_data[:], method.eval_data[:]
+    tokens = {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
+    identity = {
+        "target": {"path": str(method.target_dir), "fingerprint": target_fingerprint(method.target_dir)},
+        **method.feature_spec(),
+        "rows": rows_settings(recipe),
+        "source": str(method.rows_source),
+        "splits": {"train": len(method.train_data), "eval": len(method.eval_data)},
+    }
+    return write_feature_cache(out, identity, tokens, lambda batch: method.features(
+        {k: v.to(device) for k, v in batch.items()}), batch_size=batch_size, shard_rows=shard_rows)

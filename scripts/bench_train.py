@@ -1,0 +1,405 @@
+"""What one drafter training step costs, against one forward of the frozen target.
+
+For EAGLE-3, DFlash and DSpark: the time and memory of one training step of the drafter
+(the loss forward, backward, gradient clipping and an AdamW step, exactly what
+train/loop.py does per batch) beside one no-grad forward of the frozen target over the
+same batch (the feature forward train/posthoc.py runs before each step). The target
+forward is listed separately, not inside the step: a run on cached features
+(models/feature_cache.py) pays the step alone, an online run pays both, which the
+`online tok/s` column adds up.
+
+Each step is timed back to back with a target forward (target, step, target, step, ...),
+after warm-up, and the ratio of a row is the median of its steps over the median of the
+forwards paired with them, so that drift (a shared CPU, clocks) hits both alike.
+
+Memory. CUDA: torch.cuda.max_memory_allocated over the phase, minus what was allocated
+when it began (`peak extra`: activations, gradients, the optimizer's update). CPU: the
+process's peak resident set (VmHWM), reset through /proc/self/clear_refs before each
+phase after returning freed heap to the OS (malloc_trim), minus the resident set at its
+start. tracemalloc is no use here: it sees only Python's allocator, and torch allocates
+tensor memory outside it (a 200 MB tensor shows as 0); ru_maxrss is a lifetime high-water
+mark that an earlier, larger phase would hide. `state MiB` is counted from the tensors:
+parameters, buffers and optimizer state (for the target, its weights).
+
+Shapes. CPU (default): a scaled-down target (hidden 512, 8 layers, 8 query heads over 2
+KV heads, vocab 8192; draft vocab 4096; seq 256, batch 2, 64 DFlash anchors per sequence:
+the anchor density of 512 at 2048). CUDA: hidden 4096, 32 query heads over 8 (G = 4, as
+Llama-3.1-8B), vocab 128256, draft vocab 32000, seq 2048, batch 1, 512 anchors, a 5-layer
+DFlash; the target has 4 layers, and `x fwd @32L` projects the ratio onto a 32-layer one
+from the time its decoder layers took (timed by hooks on the first and last layer). The
+target runs in bf16 on CUDA; drafters keep fp32 weights under bf16 autocast, as the loop.
+
+    python scripts/bench_train.py [--device cuda] [--repeats 5] [--hidden 512 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
+from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
+from draftsmith.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.models.target import decoder_layers, freeze, target_forward, tiny_config
+
+METHODS = ("eagle3", "dflash", "dspark")
+PRESETS = {
+    "cpu": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=None, vocab=8192, draft_vocab=4096,
+                seq=256, batch=2, anchors=64, dflash_layers=None, project_layers=0),
+    "cuda": dict(hidden=4096, layers=4, heads=32, kv_heads=8, intermediate=14336, vocab=128256, draft_vocab=32000,
+                 seq=2048, batch=1, anchors=512, dflash_layers=5, project_layers=32),
+}
+LR_CLIP = {"eagle3": (1e-4, 0.5), "dflash": (6e-4, 1.0), "dspark": (6e-4, 1.0)}  # DESIGN.md section 7
+
+
+# ---- shared with scripts/bench_verify.py ------------------------------------------------
+
+def build_target(device, dtype, attn: str = "sdpa", seed: int = 0, **shape):
+    """A random Llama-style target built directly on `device` (a 128k-vocabulary model
+    initialised on the CPU first would take longer than the measurements)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch="llama", **shape)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    return freeze(model.to(device))
+
+
+class Clock:
+    """Marks in time: CUDA events on a GPU (no host sync inside a timed region), the host
+    clock on a CPU, where every op has finished when it returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+
+class Memory:
+    """Peak memory of a phase above what was in use when it began (see module doc)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.how = "torch.cuda.max_memory_allocated"
+        self._trim = None
+        if not self.cuda:
+            try:
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+                self._reset_hwm()
+                self.how = "VmHWM after clear_refs + malloc_trim"
+            except OSError:  # not Linux/glibc: a lifetime high-water mark is all there is
+                self.how = "ru_maxrss (lifetime peak: a phase shows 0 unless it sets a new one)"
+
+    @staticmethod
+    def _reset_hwm():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    @staticmethod
+    def _status_kib(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return
+        gc.collect()
+        if self._trim is not None:
+            self._trim(0)
+            self._reset_hwm()
+            self.base = self._status_kib("VmRSS") * 1024
+        else:
+            import resource
+
+            self.base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def peak_extra(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        if self._trim is not None:
+            return self._status_kib("VmHWM") * 1024 - self.base
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base
+
+
+def state_bytes(*modules, optimizer=None) -> int:
+    seen, total = set(), 0
+    tensors = [t for m in modules for t in (*m.parameters(), *m.buffers())]
+    if optimizer is not None:
+        tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ---- the measured pieces ----------------------------------------------------------------
+
+def make_batch(vocab: int, batch: int, seq: int, device, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tokens (the mask token, vocab - 1, excluded); the first quarter is the
+    prompt, unsupervised, as a chat row's user turn."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab - 1, (batch, seq), generator=g)
+    loss_mask = torch.ones(batch, seq, dtype=torch.long)
+    loss_mask[:, : seq // 4] = 0
+    return {"input_ids": ids.to(device), "loss_mask": loss_mask.to(device),
+            "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device)}
+
+
+def spread_ids(num_layers: int, count: int) -> list[int]:
+    """`count` distinct target layers spread over a shallow target (DFlash's own rule
+    repeats layers below about 4 layers per context layer)."""
+    count = min(count, num_layers)
+    return sorted({round(i * (num_layers - 1) / max(count - 1, 1)) for i in range(count)})
+
+
+def drafter_config(method: str, target, args, backend: str | None):
+    """The config train/method_*.py would build for this target (recipe keys as overrides)."""
+    extra = {} if backend is None else {"attention_backend": backend}
+    if backend is not None:
+        fields = {f.name for f in dataclasses.fields(Eagle3Config if method == "eagle3" else DFlashConfig)}
+        if "attention_backend" not in fields:
+            sys.exit("bench_train: --drafter-attention needs drafter configs with an attention_backend field")
+    if method == "eagle3":
+        return Eagle3Config.from_target(target, draft_vocab_size=args.draft_vocab, **extra)
+    if args.dflash_layers:
+        extra.update(num_layers=args.dflash_layers, target_layer_ids=spread_ids(args.layers, args.dflash_layers))
+    config_cls = DSparkConfig if method == "dspark" else DFlashConfig
+    return config_cls.from_target(target.config, mask_token_id=args.vocab - 1, num_anchors=args.anchors, **extra)
+
+
+def build_drafter(method: str, target, args, backend: str | None):
+    """A fresh drafter, fp32 on the target's device (as train/method_*.py build them),
+    created there directly: a real-size one initialised on the CPU would take seconds."""
+    device = next(target.parameters()).device
+    with torch.device(device):
+        if method == "eagle3":  # embedding copied from the target
+            drafter = Eagle3Drafter.from_target(target, **vars(drafter_config(method, target, args, backend)))
+        else:
+            module_cls = DSparkDrafter if method == "dspark" else DFlashDrafter
+            drafter = module_cls(drafter_config(method, target, args, backend))
+    drafter = drafter.to(dtype=torch.float32).train()
+    if args.grad_ckpt:
+        drafter.gradient_checkpointing = True
+    return drafter
+
+
+def loss_fn(method: str, drafter, target, batch, out, layer_ids):
+    """The loss call of train/method_*.py on the features of `out`, minus the forward."""
+    ids, device = batch["input_ids"], batch["input_ids"].device
+    if method == "eagle3":
+        hidden = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
+        return lambda: drafter.loss(hidden.float(), ids, out.logits.float(), batch["loss_mask"],
+                                    batch["attention_mask"])
+    head_module, embed = target.get_output_embeddings(), target.get_input_embeddings()
+    head = lambda h: head_module(h.to(head_module.weight.dtype))  # noqa: E731
+    hidden = concat_layers(out.hidden, layer_ids)
+    mask = batch["loss_mask"] * batch["attention_mask"]
+
+    def run():
+        gen = torch.Generator(device=device).manual_seed(0)  # the same blocks every repeat
+        if method == "dspark":
+            return drafter.loss(hidden.float(), ids, mask, embed, head, out.logits, generator=gen)
+        return drafter.loss(hidden.float(), ids, mask, embed, head, generator=gen)
+
+    return run
+
+
+class TargetForward:
+    """The frozen target's feature forward, timed whole and over its decoder layers."""
+
+    def __init__(self, target, batch, capture, clock: Clock):
+        self.target, self.batch, self.capture, self.clock = target, batch, capture, clock
+        layers = decoder_layers(target)
+        self.marks = {}
+        layers[0].register_forward_pre_hook(lambda *_: self.marks.__setitem__("first", clock.mark()))
+        layers[-1].register_forward_hook(lambda *_: self.marks.__setitem__("last", clock.mark()))
+
+    @torch.no_grad()
+    def __call__(self):
+        return target_forward(self.target, self.batch["input_ids"], attention_mask=self.batch["attention_mask"],
+                              capture=self.capture)
+
+    def timed(self) -> tuple[float, float]:
+        """(whole forward ms, decoder layers ms)."""
+        start = self.clock.mark()
+        self()
+        end = self.clock.mark()
+        return self.clock.ms(start, end), self.clock.ms(self.marks["first"], self.marks["last"])
+
+
+def measure(method, label, target, fwd: TargetForward, batch, args, clock, memory, backend):
+    drafter = build_drafter(method, target, args, backend)
+    layer_ids = list(drafter.config.target_layer_ids)
+    lr, clip = LR_CLIP[method]
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if clock.cuda else contextlib.nullcontext())
+    out = fwd()  # the features, computed once; every step reads the same ones
+    loss = loss_fn(method, drafter, target, batch, out, layer_ids)
+
+    def step():
+        with autocast:
+            value, _ = loss()
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    steps, paired, peaks = [], [], []
+    for i in range(args.warmup + args.repeats):
+        fwd_ms, _ = fwd.timed()
+        memory.start()
+        start = clock.mark()
+        step()
+        end = clock.mark()
+        step_ms, peak = clock.ms(start, end), memory.peak_extra()
+        if i >= args.warmup:
+            steps.append(step_ms)
+            paired.append(fwd_ms)
+            peaks.append(peak)
+    row = {"phase": label, "ms": statistics.median(steps), "fwd_ms": statistics.median(paired), "paired": paired,
+           "state": state_bytes(drafter, optimizer=optimizer), "peak": max(peaks)}
+    if method != "eagle3":
+        c = drafter.config
+        row["note"] = (f"{label}: {c.num_layers} layers, block {c.block_size}, up to {c.num_anchors} anchors "
+                       f"per sequence (query rows per sequence <= {c.num_anchors * c.block_size})")
+    else:
+        row["note"] = f"{label}: TTT {drafter.config.ttt_length} steps, draft vocab {drafter.config.draft_vocab_size}"
+    del drafter, optimizer, out, loss
+    gc.collect()
+    if clock.cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown(rows, fwd_row, tokens, project_layers, num_layers) -> str:
+    """One Markdown table; every ratio is against the target forwards paired with the row."""
+    head = ["phase", "ms (median)", "x target fwd"]
+    if project_layers:
+        head.append(f"x fwd @{project_layers}L (est.)")
+    head += ["tok/s", "online tok/s", "state MiB", "peak extra MiB", "peak x target fwd"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    mib = 2**20
+
+    # The forward of a project_layers-deep target: decoder layers scaled, the rest as measured.
+    projected = fwd_row["ms"] + fwd_row["layers_ms"] * (project_layers / num_layers - 1)
+
+    for row in [fwd_row, *rows]:
+        is_fwd = row is fwd_row
+        cells = [row["phase"], f"{row['ms']:.1f}", f"{row['ms'] / row['fwd_ms']:.2f}"]
+        if project_layers:
+            cells.append(f"{row['ms'] / projected:.3f}")
+        online = "-" if is_fwd else f"{tokens * 1e3 / (row['ms'] + row['fwd_ms']):.0f}"
+        cells += [f"{tokens * 1e3 / row['ms']:.0f}", online, f"{row['state'] / mib:.1f}",
+                  f"{row['peak'] / mib:.1f}", f"{row['peak'] / max(fwd_row['peak'], 1):.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="cpu (scaled-down shape) or cuda (real-size shape)")
+    for name in PRESETS["cpu"]:
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="default: the device's preset")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--drafter-attention", default=None,
+                    help="comma list of drafter attention backends to compare (sdpa, flex, auto); default: the configs'")
+    ap.add_argument("--grad-ckpt", action="store_true", help="drafters recompute activations in backward")
+    ap.add_argument("--attn", default="sdpa", help="the target's attn_implementation")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--out", type=Path, help="also write the table (Markdown) to this file")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    for name, value in PRESETS[device.type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = [m for m in args.methods.split(",") if m]
+    if unknown := sorted(set(methods) - set(METHODS)):
+        ap.error(f"unknown method(s) {unknown}; known: {', '.join(METHODS)}")
+    backends = args.drafter_attention.split(",") if args.drafter_attention else [None]
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = build_target(device, dtype, args.attn, vocab_size=args.vocab, num_layers=args.layers,
+                          hidden_size=args.hidden, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                          intermediate_size=args.intermediate, max_position_embeddings=max(2048, args.seq + 256))
+    batch = make_batch(args.vocab, args.batch, args.seq, device)
+    tokens = args.batch * args.seq
+    clock, memory = Clock(device), Memory(device)
+    # One forward captures what every drafter reads (a run captures its own; hooks cost nothing).
+    capture = {i for m in methods for i in drafter_config(m, target, args, None).target_layer_ids}
+    fwd = TargetForward(target, batch, sorted(capture), clock)
+
+    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
+          f"target {str(dtype).removeprefix('torch.')}, attn {args.attn}; drafters fp32"
+          f"{' under bf16 autocast' if device.type == 'cuda' else ''}")
+    print(f"target: hidden {args.hidden}, {args.layers} layers, {args.heads} q / {args.kv_heads} kv heads, "
+          f"vocab {args.vocab}; batch {args.batch} x seq {args.seq} = {tokens} tokens; "
+          f"warm-up {args.warmup}, repeats {args.repeats} (median); memory: {memory.how}")
+    print("step = loss forward + backward + clip + AdamW step on precomputed features; "
+          "the target's feature forward is its own row (online tok/s adds the two)\n")
+
+    rows, fwd_samples, fwd_layers, fwd_peaks = [], [], [], []
+    for i in range(args.warmup + args.repeats):  # the target alone: its own memory and layer split
+        memory.start()
+        ms, layers_ms = fwd.timed()
+        if i >= args.warmup:
+            fwd_samples.append(ms)
+            fwd_layers.append(layers_ms)
+            fwd_peaks.append(memory.peak_extra())
+    for method in methods:
+        for backend in backends:
+            label = method if backend is None else f"{method} [{backend}]"
+            rows.append(measure(method, label, target, fwd, batch, args, clock, memory, backend))
+            fwd_samples += rows[-1]["paired"]
+    fwd_row = {"phase": "target forward (no grad)", "ms": statistics.median(fwd_samples),
+               "fwd_ms": statistics.median(fwd_samples), "layers_ms": statistics.median(fwd_layers),
+               "state": state_bytes(target), "peak": max(fwd_peaks)}
+    table = markdown(rows, fwd_row, tokens, args.project_layers, args.layers)
+    print(table)
+    print()
+    for row in rows:
+        print(row["note"])
+    if args.project_layers:
+        print(f"x fwd @{args.project_layers}L: the ratio against a {args.project_layers}-layer target of this width, "
+              f"the target's {args.layers} decoder layers ({fwd_row['layers_ms']:.1f} of {fwd_row['ms']:.1f} ms) "
+              "scaled linearly, the rest (embedding, norm, head) as measured")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""The two device measurements of scripts/gpu_check.sh: where the verify pass leaves its
+attention tile, and what each drafter's decoding is worth.
+
+1. Verify latency against the number of query tokens Q = 1 + D (1..64), at G = 4, 8, 16
+   query heads per KV head, on a 1B-class target (hidden 2048, 16 layers, 32 query heads of
+   dim 64 over 8/4/2 KV heads, vocab 128256, as Llama-3.2-1B) with a 4096-token KV cache.
+   Three measures per point:
+   - `wall`: one target verify forward as the decoder runs it (models.target.target_forward
+     on a DynamicCache, cropped back after each call), CUDA events around it; at batch 1
+     this is mostly kernel-launch time of the eager forward;
+   - `kernel`: the summed GPU time of that forward's kernels (torch.profiler), which is
+     what a CUDA-graphed engine would pay;
+   - `attn`: the attention alone, laid out as packing kernels lay it out (FA3's PackGQA,
+     FlashInfer, FlashMLA): the G heads of a KV head and the Q tokens as G*Q rows of one
+     problem, over 4096 + Q keys, batched until each tile is 4 CTAs per SM, so that every
+     extra tile is extra work and not extra parallelism on idle SMs.
+   The tile rule predicts a step in `attn` between Q* = 128 // G and Q* + 1. The target's
+   own attention (flash_attention_2 or SDPA) does not pack heads for Q > 1 (FA2 swaps
+   heads into rows for Q == 1 only), so `wall` and `kernel` need not step at Q*: that is
+   the point of comparing them.
+2. The decoder's speedup over plain decoding for each drafter, on the G = 4 target:
+   ngram, a truncated-twin draft model, the target drafting for itself (oracle: tau = 1 + D),
+   and untrained EAGLE-3 (chain, and tree on SDPA), DFlash and DSpark, whose tau is about 1
+   but whose T_draft is real. The eval machinery measures (eval/evaluate.py) and reports
+   (eval/report.py); at bf16 a near-tie between two logits may flip an argmax between the
+   verify and the plain forward, so outputs that differ from plain decoding are counted,
+   not fatal (tests/test_gpu.py checks losslessness up to such ties).
+
+    python scripts/bench_verify.py --out DIR [--cpu-dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import Clock, build_target  # noqa: E402  (shared with the training benchmark)
+
+from draftsmith.models.target import crop_cache, new_cache, target_forward  # noqa: E402
+
+SHAPE = dict(hidden_size=2048, num_layers=16, num_heads=32, intermediate_size=8192, vocab_size=128256)
+DRY_SHAPE = dict(hidden_size=128, num_layers=4, num_heads=16, intermediate_size=256, vocab_size=512)
+KV_HEADS = (8, 4, 2)  # G = 4, 8, 16 with 32 query heads (DRY_SHAPE: 4, 2, 1 -> the same G)
+
+
+def flash_attn_version() -> str | None:
+    try:
+        import flash_attn
+    except ImportError:
+        return None
+    return getattr(flash_attn, "__version__", "unknown")
+
+
+# ---- 1. verify latency ----------------------------------------------------------------
+
+def kernel_ms(fn, reset, reps: int) -> float | None:
+    """Mean summed GPU time of fn's kernels (and copies) per call, from the profiler."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+                reset()
+            torch.cuda.synchronize()
+        busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    except Exception as exc:  # a profiler that cannot run here must not cost the other numbers
+        print(f"  profiler unavailable ({type(exc).__name__}: {exc}); kernel times left out")
+        return None
+    return busy / 1e3 / reps if busy else None
+
+
+def wall_ms(clock: Clock, fn, reset, reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        start = clock.mark()
+        fn()
+        end = clock.mark()
+        samples.append(clock.ms(start, end))
+        reset()
+    return statistics.median(samples)
+
+
+def packed_attention(batch, kv_heads, group, q_max, kv_len, head_dim, device, dtype):
+    """attn(Q) -> ms for the packed layout (module doc); returns (callable, backend name)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    # Random data (zeros run faster than real data); one buffer of the longest keys, sliced.
+    shape = (batch, kv_len + q_max, kv_heads, head_dim)  # flash-attn layout [B, L, heads, d]
+    k = torch.randn(shape, generator=g, device=device, dtype=dtype)
+    v = torch.randn(shape, generator=g, device=device, dtype=dtype)
+    q = torch.randn((batch, group * q_max, kv_heads, head_dim), generator=g, device=device, dtype=dtype)
+    clock = Clock(device)
+    if device.type == "cuda" and flash_attn_version():
+        from flash_attn import flash_attn_func
+
+        name = "flash_attn.flash_attn_func (FA2)"
+        run = lambda n: flash_attn_func(q[:, : group * n], k[:, : kv_len + n], v[:, : kv_len + n])  # noqa: E731
+    else:
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA layout [B, heads, L, d]
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            name, context = "torch SDPA, flash backend (FA2 port)", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        else:
+            import contextlib
+
+            name, context = "torch SDPA (CPU)", contextlib.nullcontext
+
+        def run(n):
+            with context():
+                return sdpa(qt[:, :, : group * n], kt[:, :, : kv_len + n], vt[:, :, : kv_len + n])
+
+    def measure(n: int, reps: int) -> float:
+        run(n)  # warm-up: the first call of a shape picks its kernel
+        return wall_ms(clock, lambda: run(n), lambda: None, reps)
+
+    return measure, name
+
+
+def verify_sweep(args, device, dtype, attn: str, on_target=None) -> dict:
+    """Per G: Q, wall ms, kernel ms, packed attention ms. `on_target(target, kv)` runs
+    while each target is built (the decoder benchmark reuses one)."""
+    shape = DRY_SHAPE if args.cpu_dry_run else SHAPE
+    kv_list = [h * shape["num_heads"] // 32 for h in KV_HEADS]
+    clock = Clock(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    head_dim = shape["hidden_size"] // shape["num_heads"]
+    sweep = {}
+    for kv in kv_list:
+        group = shape["num_heads"] // kv
+        target = build_target(device, dtype, attn, num_kv_heads=kv,
+                              max_position_embeddings=args.kv_len + args.q_max + 64, **shape)
+        gen = torch.Generator().manual_seed(kv)
+        cache = new_cache(target)
+        prompt = torch.randint(0, shape["vocab_size"], (1, args.kv_len), generator=gen).to(device)
+        with torch.no_grad():
+            target_forward(target, prompt, cache=cache, logits_to_keep=1)
+        batch = max(1, math.ceil(args.ctas_per_sm * sms / kv)) if device.type == "cuda" else 1
+        attn_ms, attn_name = packed_attention(batch, kv, group, args.q_max, args.kv_len, head_dim, device, dtype)
+        rows = {"q": [], "wall_ms": [], "kernel_ms": [], "attn_ms": []}
+        print(f"G = {group} ({kv} KV heads): verify forward and packed attention (batch {batch}) for Q = 1..{args.q_max}")
+        for n in range(1, args.q_max + 1):
+            tokens = torch.randint(0, shape["vocab_size"], (1, n), generator=gen).to(device)
+
+            @torch.no_grad()
+            def verify():
+                target_forward(target, tokens, cache=cache)
+
+            reset = lambda: crop_cache(cache, args.kv_len)  # noqa: E731
+            verify()  # warm-up for this shape
+            reset()
+            rows["q"].append(n)
+            rows["wall_ms"].append(wall_ms(clock, verify, reset, args.reps))
+            rows["kernel_ms"].append(kernel_ms(verify, reset, max(1, args.reps // 3)))
+            rows["attn_ms"].append(attn_ms(n, args.reps))
+        sweep[group] = {"kv_heads": kv, "attn_batch": batch, **rows}
+        if on_target is not None:
+            on_target(target, kv)
+        del target, cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"shape": {**shape, "head_dim": head_dim, "kv_len": args.kv_len, "dtype": str(dtype).removeprefix("torch."),
+                      "attn_implementation": attn, "packed_attention": attn_name, "tile": args.tile,
+                      "ctas_per_sm": args.ctas_per_sm, "sms": sms},
+            "sweep": sweep}
+
+
+def _ratio(values, i, j) -> str:
+    a, b = values[i], values[j]
+    return "-" if a is None or b is None or not b else f"{a / b:.2f}"
+
+
+def verify_markdown(result: dict) -> str:
+    s, sweep = result["shape"], result["sweep"]
+    tile = s["tile"]
+    lines = [
+        "## Verify latency against query tokens",
+        "",
+        f"Target: hidden {s['hidden_size']}, {s['num_layers']} layers, {s['num_heads']} query heads of dim "
+        f"{s['head_dim']}, vocab {s['vocab_size']}, {s['dtype']}, attn_implementation `{s['attn_implementation']}`; "
+        f"KV cache {s['kv_len']} tokens, batch 1. Packed attention: {s['packed_attention']}, G*Q rows per KV head "
+        f"over {s['kv_len']} + Q keys, batch sized to {s['ctas_per_sm']} CTAs per SM per tile ({s['sms']} SMs).",
+        "",
+        f"Step at the tile edge: Q* = {tile} // G is the last Q whose G*Q rows fit one {tile}-row tile. "
+        "`step` = t(Q*+1)/t(Q*), `slope` = t(Q*)/t(Q*-1) for comparison; the rule predicts a step well "
+        "above the slope in `attn`.",
+        "",
+        "| G | KV heads | Q* | wall step | wall slope | kernel step | kernel slope | attn step | attn slope |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for group, r in sweep.items():
+        edge = tile // int(group)
+        i = r["q"].index(edge) if edge in r["q"] and edge + 1 in r["q"] else None
+        cells = [str(group), str(r["kv_heads"]), str(edge)]
+        for key in ("wall_ms", "kernel_ms", "attn_ms"):
+            cells += ["-", "-"] if i is None or i == 0 else [_ratio(r[key], i + 1, i), _ratio(r[key], i, i - 1)]
+        lines.append("| " + " | ".join(cells) + " |")
+    groups = list(sweep)
+    lines += ["", "Full sweep (ms; attn is one packed attention call; kernel: summed GPU kernel time):", "",
+              "| Q | " + " | ".join(f"G={g} wall | G={g} kernel | G={g} attn" for g in groups) + " |",
+              "|---:|" + "---:|" * (3 * len(groups))]
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    for j, q in enumerate(sweep[groups[0]]["q"]):
+        cells = [str(q)] + [fmt(sweep[g][k][j]) for g in groups for k in ("wall_ms", "kernel_ms", "attn_ms")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verify_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tile, sweep = result["shape"]["tile"], result["sweep"]
+    panels = [("wall_ms", "verify forward, wall (ms)"), ("kernel_ms", "verify forward, GPU kernels (ms)"),
+              ("attn_ms", "packed attention (ms)")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (key, title) in zip(axes, panels):
+        for k, (group, r) in enumerate(sweep.items()):
+            color = f"C{k}"
+            points = [(q, y) for q, y in zip(r["q"], r[key]) if y is not None]
+            if points:
+                ax.plot(*zip(*points), marker=".", color=color, label=f"G={group}")
+            ax.axvline(tile // int(group) + 0.5, color=color, linestyle=":", linewidth=1)
+        measured = any(y is not None for r in sweep.values() for y in r[key])
+        ax.set_title(title if measured else title + ": n/a")
+        ax.set_xlabel("query tokens Q = 1 + D")
+        ax.grid(alpha=0.3)
+        if measured:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"dotted: Q = {tile} // G + 0.5, where G*Q leaves one {tile}-row tile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- 2. decoder speedup ---------------------------------------------------------------
+
+def truncated_twin(target, layers: int):
+    """A draft model sharing the target's first layers, embedding, norm and head."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    device, dtype = next(target.parameters()).device, next(target.parameters()).dtype
+    with torch.device(device):
+        draft = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    draft.load_state_dict(target.state_dict(), strict=False)  # the upper layers are left out
+    return draft.eval()
+
+
+def build_drafters(target, attn: str) -> dict:
+    from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, DSparkDecodeDrafter
+    from draftsmith.eval.draft_eagle3 import Eagle3Proposer
+    from draftsmith.eval.draft_lm import DraftModelDrafter
+    from draftsmith.eval.draft_ngram import NgramDrafter
+    from draftsmith.eval.draft_oracle import OracleDrafter
+    from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+    from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
+    from draftsmith.models.eagle3 import Eagle3Drafter
+
+    param = next(target.parameters())
+    mask = target.config.vocab_size - 1
+    with torch.device(param.device):
+        eagle3 = Eagle3Drafter.from_target(target).to(param.dtype).eval()
+        dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
+        dspark = DSparkDrafter(DSparkConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
+    drafters = {
+        "ngram": NgramDrafter(),
+        "draft_lm": DraftModelDrafter(truncated_twin(target, 2), target, name="draft_lm"),
+        "oracle": OracleDrafter(target),
+        "eagle3": Eagle3Proposer(eagle3, mode="chain", name="eagle3"),
+        "dflash": DFlashDecodeDrafter(dflash, target),
+        "dspark": DSparkDecodeDrafter(dspark, target),
+    }
+    if "flash" not in attn:  # tree verifies need a 4D mask, which flash-attn ignores (the decoder refuses)
+        drafters["eagle3_tree"] = Eagle3Proposer(eagle3, mode="tree", name="eagle3_tree")
+    return drafters
+
+
+def decoder_speedup(target, args, out_dir: Path) -> dict:
+    """Every drafter against plain decoding of the same target and prompts, in one run,
+    through eval/evaluate.py's decode loop and eval/report.py's report."""
+    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.drafter import GREEDY, NoDrafter
+    from draftsmith.eval.evaluate import EvalSettings, _decode_all, _per_pass_ms, _tokens_per_s
+    from draftsmith.eval.report import speedup_bound, write_report
+    from draftsmith.eval.tile import plan_tile
+
+    config = target.config
+    plan = plan_tile(config.to_dict(), tile=args.tile)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, config.vocab_size - 1, (int(torch.randint(32, 96, (1,), generator=gen)),),
+                             generator=gen) for _ in range(args.prompts)]
+    settings = EvalSettings(dataset="random tokens", num_prompts=len(prompts), max_new_tokens=args.new_tokens, seed=0)
+    plain = SpeculativeDecoder(target, NoDrafter(), num_draft=0, eos_token_id=())
+    plain.generate(prompts[0][:8], 4)  # warm-up
+    base_stats, base_out = _decode_all(plain, prompts, settings, GREEDY, False, "plain decoding")
+    t_target, base_tps = _per_pass_ms(base_stats, base_stats.verify_s), _tokens_per_s(base_stats, base_out)
+    rows = []
+    for name, drafter in build_drafters(target, target.config._attn_implementation).items():
+        decoder = SpeculativeDecoder(target, drafter, num_draft=plan.D, eos_token_id=())
+        decoder.generate(prompts[0][:8], 4)  # warm-up
+        stats, out = _decode_all(decoder, prompts, settings, GREEDY, False, name)
+        t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
+        tps = _tokens_per_s(stats, out)
+        extra = {"prompts unlike plain": sum(a != b for a, b in zip(out, base_out))}
+        if callable(getattr(drafter, "report_extra", None)):
+            extra.update(drafter.report_extra())
+        rows.append({"name": name, "spec": f"{name} (untrained)" if name in ("eagle3", "eagle3_tree", "dflash", "dspark")
+                     else name, "num_draft": plan.D, "tau": stats.tau, "verify_passes": stats.verify_passes,
+                     "committed_tokens": stats.committed, "per_position_acceptance": stats.per_position_acceptance,
+                     "accepted_length_hist": list(stats.accepted_hist), "tokens_per_s": tps,
+                     "speedup": tps / max(base_tps, 1e-9), "bound": speedup_bound(stats.tau, t_target, t_draft, t_verify),
+                     "T_draft_ms": t_draft, "T_verify_ms": t_verify, "extra": extra})
+        print(f"  {name}: tau {stats.tau:.2f}, {tps:.1f} tok/s ({rows[-1]['speedup']:.2f}x plain)")
+    shape = f"random llama: hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}"
+    results = {
+        "target": {"path": shape, "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile, "D": plan.D},
+        "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": args.new_tokens,
+                     "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0},
+        "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target},
+        "drafters": rows,
+    }
+    write_report(results, out_dir)
+    return results
+
+
+# ---- the run ------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/gpu_check"))
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU: exercises every code path")
+    ap.add_argument("--kv-len", type=int, help="tokens in the KV cache (default 4096; dry run 256)")
+    ap.add_argument("--q-max", type=int, default=64)
+    ap.add_argument("--reps", type=int, help="timed calls per point, median (default 10; dry run 2)")
+    ap.add_argument("--tile", type=int, default=128)
+    ap.add_argument("--ctas-per-sm", type=int, default=4, help="packed attention: tiles per SM at one tile per head")
+    ap.add_argument("--prompts", type=int, help="decoder benchmark prompts (default 4; dry run 2)")
+    ap.add_argument("--new-tokens", type=int, help="tokens per prompt (default 128; dry run 12)")
+    ap.add_argument("--skip-decoder", action="store_true")
+    args = ap.parse_args(argv)
+    dry = args.cpu_dry_run
+    for name, full, small in (("kv_len", 4096, 256), ("reps", 10, 2), ("prompts", 4, 2), ("new_tokens", 128, 12)):
+        if getattr(args, name) is None:
+            setattr(args, name, small if dry else full)
+    if not dry and not torch.cuda.is_available():
+        ap.error("no CUDA device: run with --cpu-dry-run to exercise the code paths on the CPU")
+    device = torch.device("cpu" if dry else "cuda")
+    dtype = torch.float32 if dry else torch.bfloat16
+    attn = "flash_attention_2" if (device.type == "cuda" and flash_attn_version()) else "sdpa"
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (dry run)'}, torch {torch.__version__}, "
+          f"flash-attn {flash_attn_version() or 'not installed'}: target attention {attn}")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    decoder = {}
+
+    def on_target(target, kv):
+        if not args.skip_decoder and kv == target.config.num_attention_heads // 4:  # the G = 4 target
+            print("decoder speedup on the G = 4 target:")
+            with tempfile.TemporaryDirectory() as tmp:
+                decoder["results"] = decoder_speedup(target, args, Path(tmp) / "report")
+                for plot in ("speedup", "acceptance"):
+                    shutil.copy(Path(tmp) / "report" / f"{plot}.png", args.out / f"decoder_{plot}.png")
+
+    result = verify_sweep(args, device, dtype, attn, on_target)
+    md = verify_markdown(result)
+    if "results" in decoder:
+        from draftsmith.eval.report import TAU_NOTE, format_table
+
+        d = decoder["results"]
+        md += ("\n\n## Decoder speedup over plain decoding\n\n"
+               f"{d['target']['path']}, G = {d['target']['G']}, D = {d['target']['D']}; {d['settings']['num_prompts']} "
+               f"random prompts, {d['settings']['max_new_tokens']} new tokens, greedy. EAGLE-3, DFlash and DSpark "
+               "are untrained: their tau is about 1, their T_draft is what they cost.\n\n"
+               + format_table(d) + "\n\n" + TAU_NOTE)
+        result["decoder"] = d
+    (args.out / "verify.md").write_text(md + "\n")
+    (args.out / "verify.json").write_text(json.dumps(result, indent=1, default=str))
+    verify_plot(result, args.out / "verify.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The offline feature cache: `draftsmith data cache-hidden`, then training from it without
+the target, which must be training online on the same rows, loss for loss."""
+
+import json
+import math
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import draftsmith.train.posthoc as posthoc_module
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.feature_cache import _human
+from draftsmith.train.loop import train
+from draftsmith.train.posthoc import PostHocMethod
+from tiny_runs import ROOT, overrides, tiny_recipe
+
+# A bf16 target, as at scale: its features are bf16 already, so the cache holds them exactly
+# and a cached run must log bit for bit what the online run logs.
+POSTHOC = dict(data__num_conversations=24, data__prompt_chars=120, data__regen_max_new_tokens=32,
+               train__seq_len=80, train__max_steps=4, train__eval_every=2, train__save_every=100,
+               target__dtype="bfloat16")
+METHOD = {"eagle3": dict(method__draft_vocab_size=128, method__ttt_length=2),
+          "dflash": dict(method__num_anchors=8, method__block_size=4),
+          "dspark": dict(method__num_anchors=8, method__block_size=4, method__markov_rank=8)}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    run = tmp_path_factory.mktemp("target") / "mtp"
+    train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=2, train__seq_len=64,
+                      train__eval_every=100, train__save_every=100))
+    return run / "model"
+
+
+def settings(name, run, target, **extra) -> dict:
+    return {"target__path": str(target), **POSTHOC, **METHOD[name], **extra}
+
+
+def cache_hidden(name, run, target, out, *flags, **extra) -> int:
+    """The CLI, given the recipe that `run` trains with."""
+    return main(["data", "cache-hidden", "--recipe", str(ROOT / "recipes" / "tiny" / f"{name}.yaml"),
+                 "--method", name, *overrides(run, **settings(name, run, target, **extra)), "--out", str(out), *flags])
+
+
+def metrics(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if k != "train/tokens_per_s"} for row in rows]
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark"])
+def test_training_from_the_cache_is_training_online(name, target, tmp_path, monkeypatch, capsys):
+    online, cache = tmp_path / "online", tmp_path / "cache"
+    assert cache_hidden(name, online, target, cache, "--shard-rows", "8") == 0
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["method"] == name and len(manifest["shards"]) > 1
+    # Only what the loss reads: EAGLE-3 its 3 layers and draft-vocabulary logits, DFlash its
+    # context layers, DSpark those and the full logits.
+    hidden = 64 * len(manifest["layer_ids"])
+    want = {"eagle3": {"hidden": [80, hidden], "logits": [80, 128], "target_top": [80]},
+            "dflash": {"hidden": [80, hidden]}, "dspark": {"hidden": [80, hidden], "logits": [80, 384]}}[name]
+    assert {k: v["shape"] for k, v in manifest["tensors"].items()} == want
+    # The size printed up front is what lands on disk, give or take the shard headers.
+    size = manifest["num_rows"] * sum(math.prod(v["shape"]) * getattr(torch, v["dtype"]).itemsize
+                                      for v in manifest["tensors"].values())
+    on_disk = sum((cache / s["file"]).stat().st_size for s in manifest["shards"])
+    assert 0 <= on_disk - size < 1000 * len(manifest["shards"])
+    assert f"= {_human(size)} in {len(manifest['shards'])} shard(s)" in capsys.readouterr().out
+
+    train(tiny_recipe(name, online, **settings(name, online, target)))
+    # From the cache the target is never loaded, only its embedding and head tensors are read.
+    monkeypatch.setattr(posthoc_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    cached = tmp_path / "cached"
+    train(tiny_recipe(name, cached, **settings(name, cached, target, data__feature_cache=str(cache))))
+    logged = metrics(online)
+    assert len(logged) == 6 and "val/loss" in logged[-1] and metrics(cached) == logged
+
+
+def test_an_interrupted_cache_resumes_where_it_stopped(target, tmp_path, monkeypatch):
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    calls, real = [], PostHocMethod.features
+
+    def target_forwards(stop_at=None):
+        def features(self, batch):
+            calls.append(len(batch["input_ids"]))
+            if len(calls) == stop_at:
+                raise KeyboardInterrupt
+            return real(self, batch)
+        monkeypatch.setattr(PostHocMethod, "features", features)
+
+    target_forwards(stop_at=4)  # the size probe, shard 0 in two batches, then the first of shard 1
+    flags = ("--shard-rows", "8", "--batch-size", "4")
+    assert cache_hidden("dflash", run, target, cache, *flags) == 130
+    assert not json.loads((cache / "manifest.json").read_text())["complete"]
+    assert [p.name for p in cache.iterdir() if p.name.startswith(("shard", ".shard"))] == ["shard-00000.safetensors"]
+    with pytest.raises(DraftsmithError, match="incomplete"):
+        train(tiny_recipe("dflash", run, **settings("dflash", run, target, data__feature_cache=str(cache))))
+
+    kept = (cache / "shard-00000.safetensors").stat().st_mtime_ns
+    calls.clear()
+    target_forwards()
+    assert cache_hidden("dflash", run, target, cache, *flags) == 0
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and (cache / "shard-00000.safetensors").stat().st_mtime_ns == kept
+    assert sum(calls) == 1 + manifest["num_rows"] - 8  # the probe row, then only the missing rows
+    assert cache_hidden("dflash", run, target, tmp_path / "whole", *flags) == 0
+    for shard in manifest["shards"]:
+        assert (cache / shard["file"]).read_bytes() == (tmp_path / "whole" / shard["file"]).read_bytes()
+
+
+def test_a_cache_made_for_something_else_is_refused_in_one_line(target, tmp_path, capsys):
+    eagle3, dflash = tmp_path / "eagle3", tmp_path / "dflash"
+    assert cache_hidden("eagle3", tmp_path / "run", target, eagle3) == 0
+    assert cache_hidden("dflash", tmp_path / "run", target, dflash) == 0
+    other = tmp_path / "other_target"  # the same config, one tensor trained further
+    shutil.copytree(target, other)
+    weights = load_file(other / "model.safetensors")
+    weights["lm_head.weight"] *= 1.01
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+
+    def refused(name, cache, pattern, **extra):
+        capsys.readouterr()
+        args = overrides(tmp_path / "x", **settings(name, tmp_path / "x", target, data__feature_cache=str(cache), **extra))
+        assert main(["train", str(ROOT / "recipes" / "tiny" / f"{name}.yaml"), *args]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(pattern, err[0]), err
+
+    refused("eagle3", tmp_path / "nothing", r"nothing: no manifest.json")
+    refused("eagle3", eagle3, r"written for another target .*: the weights of .*other_target differ",
+            target__path=str(other))
+    refused("dflash", eagle3, r"holds method='eagle3'; this run needs method='dflash'")
+    refused("dflash", dflash, r"holds layer_ids=\[2\]; this run needs layer_ids=\[0, 3\]",
+            method__target_layer_ids=[0, 3])
+    refused("eagle3", eagle3, r"holds draft_vocab_sha256=", method__draft_vocab_size=64)
+    refused("eagle3", eagle3, r"holds train.seq_len=80; this run needs train.seq_len=64", train__seq_len=64)
+    (eagle3 / "shard-00000.safetensors").unlink()
+    refused("eagle3", eagle3, r"incomplete \(1 of 1 shards missing\): rerun draftsmith data cache-hidden")
+    # Resuming into a folder that holds another cache.
+    capsys.readouterr()
+    assert cache_hidden("dflash", tmp_path / "run", target, eagle3) == 2
+    assert "holds a feature cache of other features or rows (method differs)" in capsys.readouterr().err
