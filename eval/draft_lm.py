@@ -12,7 +12,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.drafter import Draft, SamplingParams
-from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.eval.sampling import draw
 from draftsmith.models.target import crop_cache, new_cache, target_forward
 
 
@@ -46,11 +46,8 @@ class DraftModelDrafter:
         step_input = self.pending
         for _ in range(max_nodes):
             logits = target_forward(self.model, step_input[None], cache=self.cache, logits_to_keep=1).logits[0, -1]
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = process_logits(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(logits, sampling, generator)
+            if q is not None:
                 probs.append(q)
             tokens.append(token)
             step_input = token.reshape(1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.eval.drafter import Draft, SamplingParams
-from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.eval.sampling import draw
 from draftsmith.models.mtp import MTPHeads
 from draftsmith.models.target import crop_cache
 
@@ -113,12 +113,8 @@ class MTPDrafter:
                 prev = torch.cat(settled + [below])
                 below = self._run(depth, lo, prev, torch.stack(drafts[lo + m - n:]))
                 last = below[-1]
-            logits = self.head(depth.layer.shared_head.norm(last))
-            if sampling.greedy:
-                token = logits.argmax(-1)
-            else:
-                q = process_logits(logits, sampling)
-                token = sample(q, generator)
+            token, q = draw(self.head(depth.layer.shared_head.norm(last)), sampling, generator)
+            if q is not None:
                 probs.append(q)
             drafts.append(token)
         if not drafts:

@@ -55,6 +55,15 @@ def next_token(logits: torch.Tensor, sampling: SamplingParams, generator=None) -
     return sample(process_logits(logits, sampling), generator)
 
 
+def draw(logits: torch.Tensor, sampling: SamplingParams, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A drafter's pick from `logits` [..., V], and the distribution q it was drawn from
+    (None when greedy: the draft is deterministic, q is one-hot)."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    q = process_logits(logits, sampling)
+    return sample(q, generator), q
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)); p itself when the residual is all zero (p == q), never NaN.
 

@@ -1,12 +1,13 @@
 """What one drafter training step costs, against one forward of the frozen target.
 
 For EAGLE-3, DFlash and DSpark: the time and memory of one training step of the drafter
-(the loss forward, backward, gradient clipping and an AdamW step, exactly what
-train/loop.py does per batch) beside one no-grad forward of the frozen target over the
-same batch (the feature forward train/posthoc.py runs before each step). The target
-forward is listed separately, not inside the step: a run on cached features
-(models/feature_cache.py) pays the step alone, an online run pays both, which the
-`online tok/s` column adds up.
+(the loss forward, backward, gradient clipping and an AdamW step, what train/loop.py
+does per batch) beside one no-grad forward of the frozen target over the same batch (the
+feature forward train/posthoc.py runs before each step). The target forward is listed
+separately, not inside the step: a run on cached features (models/feature_cache.py) pays
+the step alone, an online run pays both, which the `online tok/s` column adds up. What a
+method extracts from the forward (EAGLE-3's draft-vocabulary logits) is taken once,
+outside both.
 
 Each step is timed back to back with a target forward (target, step, target, step, ...),
 after warm-up, and the ratio of a row is the median of its steps over the median of the
@@ -25,9 +26,10 @@ Shapes. CPU (default): a scaled-down target (hidden 512, 8 layers, 8 query heads
 KV heads, vocab 8192; draft vocab 4096; seq 256, batch 2, 64 DFlash anchors per sequence:
 the anchor density of 512 at 2048). CUDA: hidden 4096, 32 query heads over 8 (G = 4, as
 Llama-3.1-8B), vocab 128256, draft vocab 32000, seq 2048, batch 1, 512 anchors, a 5-layer
-DFlash; the target has 4 layers, and `x fwd @32L` projects the ratio onto a 32-layer one
-from the time its decoder layers took (timed by hooks on the first and last layer). The
-target runs in bf16 on CUDA; drafters keep fp32 weights under bf16 autocast, as the loop.
+DFlash (reading 4 target layers, all a 4-layer target has); the target has 4 layers, and
+`x fwd @32L` projects the ratio onto a 32-layer one from the time its decoder layers took
+(timed by hooks on the first and last layer). On CUDA the target runs in bf16 and the
+drafters keep fp32 weights under bf16 autocast; on a CPU everything is fp32, as the loop.
 
     python scripts/bench_train.py [--device cuda] [--repeats 5] [--hidden 512 ...]
 """
@@ -180,47 +182,55 @@ def spread_ids(num_layers: int, count: int) -> list[int]:
     return sorted({round(i * (num_layers - 1) / max(count - 1, 1)) for i in range(count)})
 
 
-def drafter_config(method: str, target, args, backend: str | None):
-    """The config train/method_*.py would build for this target (recipe keys as overrides)."""
+def overrides(method: str, args, backend: str | None) -> dict:
+    """The recipe keys (`method.*`) this benchmark sets on a drafter config."""
     extra = {} if backend is None else {"attention_backend": backend}
     if backend is not None:
         fields = {f.name for f in dataclasses.fields(Eagle3Config if method == "eagle3" else DFlashConfig)}
         if "attention_backend" not in fields:
             sys.exit("bench_train: --drafter-attention needs drafter configs with an attention_backend field")
     if method == "eagle3":
-        return Eagle3Config.from_target(target, draft_vocab_size=args.draft_vocab, **extra)
+        return {"draft_vocab_size": args.draft_vocab, **extra}
     if args.dflash_layers:
         extra.update(num_layers=args.dflash_layers, target_layer_ids=spread_ids(args.layers, args.dflash_layers))
-    config_cls = DSparkConfig if method == "dspark" else DFlashConfig
-    return config_cls.from_target(target.config, mask_token_id=args.vocab - 1, num_anchors=args.anchors, **extra)
+    return {"mask_token_id": args.vocab - 1, "num_anchors": args.anchors, **extra}
+
+
+def layer_ids(method: str, target, args) -> list[int]:
+    if method == "eagle3":
+        config = Eagle3Config.from_target(target, **overrides(method, args, None))
+    else:
+        config = (DSparkConfig if method == "dspark" else DFlashConfig).from_target(
+            target.config, **overrides(method, args, None))
+    return list(config.target_layer_ids)
 
 
 def build_drafter(method: str, target, args, backend: str | None):
-    """A fresh drafter, fp32 on the target's device (as train/method_*.py build them),
-    created there directly: a real-size one initialised on the CPU would take seconds."""
-    device = next(target.parameters()).device
-    with torch.device(device):
-        if method == "eagle3":  # embedding copied from the target
-            drafter = Eagle3Drafter.from_target(target, **vars(drafter_config(method, target, args, backend)))
+    """A fresh drafter, fp32, built on the target's device as train/method_*.py build it
+    (created there directly: a real-size one initialised on the CPU would take seconds)."""
+    with torch.device(next(target.parameters()).device):
+        if method == "eagle3":  # the target's embedding copied in
+            drafter = Eagle3Drafter.from_target(target, **overrides(method, args, backend))
         else:
-            module_cls = DSparkDrafter if method == "dspark" else DFlashDrafter
-            drafter = module_cls(drafter_config(method, target, args, backend))
+            config_cls, module_cls = (DSparkConfig, DSparkDrafter) if method == "dspark" else (DFlashConfig, DFlashDrafter)
+            drafter = module_cls(config_cls.from_target(target.config, **overrides(method, args, backend)))
     drafter = drafter.to(dtype=torch.float32).train()
-    if args.grad_ckpt:
-        drafter.gradient_checkpointing = True
+    drafter.gradient_checkpointing = args.grad_ckpt
     return drafter
 
 
-def loss_fn(method: str, drafter, target, batch, out, layer_ids):
-    """The loss call of train/method_*.py on the features of `out`, minus the forward."""
+def loss_fn(method: str, drafter, target, batch, out):
+    """train/method_*.py's `loss` on features extracted once from `out` (its `extract`)."""
     ids, device = batch["input_ids"], batch["input_ids"].device
+    layers = list(drafter.config.target_layer_ids)
+    hidden = concat_layers(out.hidden, layers)
     if method == "eagle3":
-        hidden = torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
-        return lambda: drafter.loss(hidden.float(), ids, out.logits.float(), batch["loss_mask"],
-                                    batch["attention_mask"])
+        with torch.no_grad():  # the draft-vocabulary columns and the argmax, as the method caches them
+            logits, top = drafter.teacher(out.logits)
+        return lambda: drafter.loss(hidden.float(), ids, logits.float(), batch["loss_mask"],
+                                    batch["attention_mask"], target_top=top)
     head_module, embed = target.get_output_embeddings(), target.get_input_embeddings()
     head = lambda h: head_module(h.to(head_module.weight.dtype))  # noqa: E731
-    hidden = concat_layers(out.hidden, layer_ids)
     mask = batch["loss_mask"] * batch["attention_mask"]
 
     def run():
@@ -257,13 +267,12 @@ class TargetForward:
 
 def measure(method, label, target, fwd: TargetForward, batch, args, clock, memory, backend):
     drafter = build_drafter(method, target, args, backend)
-    layer_ids = list(drafter.config.target_layer_ids)
     lr, clip = LR_CLIP[method]
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if clock.cuda else contextlib.nullcontext())
     out = fwd()  # the features, computed once; every step reads the same ones
-    loss = loss_fn(method, drafter, target, batch, out, layer_ids)
+    loss = loss_fn(method, drafter, target, batch, out)
 
     def step():
         with autocast:
@@ -302,7 +311,7 @@ def measure(method, label, target, fwd: TargetForward, batch, args, clock, memor
 
 def markdown(rows, fwd_row, tokens, project_layers, num_layers) -> str:
     """One Markdown table; every ratio is against the target forwards paired with the row."""
-    head = ["phase", "ms (median)", "x target fwd"]
+    head = ["phase", "ms (median)", "paired fwd ms", "x target fwd"]
     if project_layers:
         head.append(f"x fwd @{project_layers}L (est.)")
     head += ["tok/s", "online tok/s", "state MiB", "peak extra MiB", "peak x target fwd"]
@@ -314,7 +323,7 @@ def markdown(rows, fwd_row, tokens, project_layers, num_layers) -> str:
 
     for row in [fwd_row, *rows]:
         is_fwd = row is fwd_row
-        cells = [row["phase"], f"{row['ms']:.1f}", f"{row['ms'] / row['fwd_ms']:.2f}"]
+        cells = [row["phase"], f"{row['ms']:.1f}", f"{row['fwd_ms']:.1f}", f"{row['ms'] / row['fwd_ms']:.2f}"]
         if project_layers:
             cells.append(f"{row['ms'] / projected:.3f}")
         online = "-" if is_fwd else f"{tokens * 1e3 / (row['ms'] + row['fwd_ms']):.0f}"
@@ -337,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--out", type=Path, help="also write the table (Markdown) to this file")
+    ap.add_argument("--out", type=Path, help="also write the report (Markdown) to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     for name, value in PRESETS[device.type].items():
@@ -358,19 +367,21 @@ def main(argv=None) -> int:
     tokens = args.batch * args.seq
     clock, memory = Clock(device), Memory(device)
     # One forward captures what every drafter reads (a run captures its own; hooks cost nothing).
-    capture = {i for m in methods for i in drafter_config(m, target, args, None).target_layer_ids}
+    capture = {i for m in methods for i in layer_ids(m, target, args)}
     fwd = TargetForward(target, batch, sorted(capture), clock)
 
-    print(f"device {device} ({torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
-          f"target {str(dtype).removeprefix('torch.')}, attn {args.attn}; drafters fp32"
-          f"{' under bf16 autocast' if device.type == 'cuda' else ''}")
-    print(f"target: hidden {args.hidden}, {args.layers} layers, {args.heads} q / {args.kv_heads} kv heads, "
-          f"vocab {args.vocab}; batch {args.batch} x seq {args.seq} = {tokens} tokens; "
-          f"warm-up {args.warmup}, repeats {args.repeats} (median); memory: {memory.how}")
-    print("step = loss forward + backward + clip + AdamW step on precomputed features; "
-          "the target's feature forward is its own row (online tok/s adds the two)\n")
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    head = [f"device {device} ({gpu}), target {str(dtype).removeprefix('torch.')}, attn {args.attn}; drafters fp32"
+            f"{' under bf16 autocast' if device.type == 'cuda' else ''}",
+            f"target: hidden {args.hidden}, {args.layers} layers, {args.heads} q / {args.kv_heads} kv heads, "
+            f"vocab {args.vocab}; batch {args.batch} x seq {args.seq} = {tokens} tokens; "
+            f"warm-up {args.warmup}, repeats {args.repeats} (median); memory: {memory.how}",
+            "step = loss forward + backward + clip + AdamW step on precomputed features; the target's feature "
+            "forward is its own row, and each step's ratio is against the forwards timed between its steps "
+            "(paired fwd); online tok/s = tokens / (step + paired fwd)"]
+    print("\n".join(head) + "\n", flush=True)
 
-    rows, fwd_samples, fwd_layers, fwd_peaks = [], [], [], []
+    rows, failed, fwd_samples, fwd_layers, fwd_peaks = [], [], [], [], []
     for i in range(args.warmup + args.repeats):  # the target alone: its own memory and layer split
         memory.start()
         ms, layers_ms = fwd.timed()
@@ -381,24 +392,30 @@ def main(argv=None) -> int:
     for method in methods:
         for backend in backends:
             label = method if backend is None else f"{method} [{backend}]"
-            rows.append(measure(method, label, target, fwd, batch, args, clock, memory, backend))
+            try:
+                rows.append(measure(method, label, target, fwd, batch, args, clock, memory, backend))
+            except torch.OutOfMemoryError:  # one method too big for the card must not cost the others
+                failed.append(f"{label}: out of memory")
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
             fwd_samples += rows[-1]["paired"]
+            print(f"{label}: step {rows[-1]['ms']:.1f} ms, paired target forward {rows[-1]['fwd_ms']:.1f} ms "
+                  f"(medians of {args.repeats})", flush=True)
     fwd_row = {"phase": "target forward (no grad)", "ms": statistics.median(fwd_samples),
                "fwd_ms": statistics.median(fwd_samples), "layers_ms": statistics.median(fwd_layers),
                "state": state_bytes(target), "peak": max(fwd_peaks)}
     table = markdown(rows, fwd_row, tokens, args.project_layers, args.layers)
-    print(table)
-    print()
-    for row in rows:
-        print(row["note"])
+    notes = [row["note"] for row in rows] + failed
     if args.project_layers:
-        print(f"x fwd @{args.project_layers}L: the ratio against a {args.project_layers}-layer target of this width, "
-              f"the target's {args.layers} decoder layers ({fwd_row['layers_ms']:.1f} of {fwd_row['ms']:.1f} ms) "
-              "scaled linearly, the rest (embedding, norm, head) as measured")
+        notes.append(f"x fwd @{args.project_layers}L: against a {args.project_layers}-layer target of this width, "
+                     f"the {args.layers} decoder layers ({fwd_row['layers_ms']:.1f} of {fwd_row['ms']:.1f} ms) "
+                     "scaled linearly, the rest (embedding, final norm, head) as measured")
+    print("\n" + table + "\n\n" + "\n".join(notes))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table + "\n")
-    return 0
+        args.out.write_text("\n\n".join(head) + "\n\n" + table + "\n\n" + "\n\n".join(notes) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -63,24 +63,30 @@ def flash_attn_version() -> str | None:
 
 # ---- 1. verify latency ----------------------------------------------------------------
 
-def kernel_ms(fn, reset, reps: int) -> float | None:
-    """Mean summed GPU time of fn's kernels (and copies) per call, from the profiler."""
+def kernel_ms(calls: dict, reps: int) -> dict:
+    """{Q: mean summed GPU time (ms) of one call's kernels} from one profiler session:
+    each Q's calls run inside a named range, whose device time the profiler sums over the
+    kernels that the ops inside it launched. {} where there is no GPU or no profiler."""
     if not torch.cuda.is_available():
-        return None
+        return {}
     from torch.autograd import DeviceType
+    from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-                reset()
-            torch.cuda.synchronize()
-        busy = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+            for n, (fn, reset) in calls.items():
+                with record_function(f"verify_q{n}"):
+                    for _ in range(reps):
+                        fn()
+                        reset()
+                    torch.cuda.synchronize()
+        busy = {int(e.name.removeprefix("verify_q")): e.device_time_total for e in prof.events()
+                if e.name.startswith("verify_q") and e.device_type == DeviceType.CPU}
     except Exception as exc:  # a profiler that cannot run here must not cost the other numbers
         print(f"  profiler unavailable ({type(exc).__name__}: {exc}); kernel times left out")
-        return None
-    return busy / 1e3 / reps if busy else None
+        return {}
+    return {n: us / 1e3 / reps for n, us in busy.items() if us > 0}
 
 
 def wall_ms(clock: Clock, fn, reset, reps: int) -> float:
@@ -132,15 +138,18 @@ def packed_attention(batch, kv_heads, group, q_max, kv_len, head_dim, device, dt
     return measure, name
 
 
-def verify_sweep(args, device, dtype, attn: str, on_target=None) -> dict:
-    """Per G: Q, wall ms, kernel ms, packed attention ms. `on_target(target, kv)` runs
-    while each target is built (the decoder benchmark reuses one)."""
+def verify_sweep(args, device, dtype, attn: str, after_each) -> dict:
+    """Per G: Q, wall ms, kernel ms, packed attention ms. `after_each(result, target, kv)`
+    runs while each target is still built (the decoder benchmark reuses one, and the
+    results so far are saved, so that a run stopped at its time limit keeps them)."""
     shape = DRY_SHAPE if args.cpu_dry_run else SHAPE
     kv_list = [h * shape["num_heads"] // 32 for h in KV_HEADS]
     clock = Clock(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     head_dim = shape["hidden_size"] // shape["num_heads"]
-    sweep = {}
+    result = {"shape": {**shape, "head_dim": head_dim, "kv_len": args.kv_len, "dtype": str(dtype).removeprefix("torch."),
+                        "attn_implementation": attn, "tile": args.tile, "ctas_per_sm": args.ctas_per_sm, "sms": sms},
+              "sweep": {}}
     for kv in kv_list:
         group = shape["num_heads"] // kv
         target = build_target(device, dtype, attn, num_kv_heads=kv,
@@ -151,33 +160,29 @@ def verify_sweep(args, device, dtype, attn: str, on_target=None) -> dict:
         with torch.no_grad():
             target_forward(target, prompt, cache=cache, logits_to_keep=1)
         batch = max(1, math.ceil(args.ctas_per_sm * sms / kv)) if device.type == "cuda" else 1
-        attn_ms, attn_name = packed_attention(batch, kv, group, args.q_max, args.kv_len, head_dim, device, dtype)
+        attn_ms, result["shape"]["packed_attention"] = packed_attention(batch, kv, group, args.q_max, args.kv_len,
+                                                                       head_dim, device, dtype)
         rows = {"q": [], "wall_ms": [], "kernel_ms": [], "attn_ms": []}
         print(f"G = {group} ({kv} KV heads): verify forward and packed attention (batch {batch}) for Q = 1..{args.q_max}")
+        calls = {}
         for n in range(1, args.q_max + 1):
             tokens = torch.randint(0, shape["vocab_size"], (1, n), generator=gen).to(device)
-
-            @torch.no_grad()
-            def verify():
-                target_forward(target, tokens, cache=cache)
-
+            verify = torch.no_grad()(lambda tokens=tokens: target_forward(target, tokens, cache=cache))
             reset = lambda: crop_cache(cache, args.kv_len)  # noqa: E731
             verify()  # warm-up for this shape
             reset()
+            calls[n] = (verify, reset)
             rows["q"].append(n)
             rows["wall_ms"].append(wall_ms(clock, verify, reset, args.reps))
-            rows["kernel_ms"].append(kernel_ms(verify, reset, max(1, args.reps // 3)))
             rows["attn_ms"].append(attn_ms(n, args.reps))
-        sweep[group] = {"kv_heads": kv, "attn_batch": batch, **rows}
-        if on_target is not None:
-            on_target(target, kv)
+        kernels = kernel_ms(calls, max(1, args.reps // 3))
+        rows["kernel_ms"] = [kernels.get(n) for n in rows["q"]]
+        result["sweep"][group] = {"kv_heads": kv, "attn_batch": batch, **rows}
+        after_each(result, target, kv)
         del target, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"shape": {**shape, "head_dim": head_dim, "kv_len": args.kv_len, "dtype": str(dtype).removeprefix("torch."),
-                      "attn_implementation": attn, "packed_attention": attn_name, "tile": args.tile,
-                      "ctas_per_sm": args.ctas_per_sm, "sms": sms},
-            "sweep": sweep}
+    return result
 
 
 def _ratio(values, i, j) -> str:
@@ -348,17 +353,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_check"))
     ap.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes on the CPU: exercises every code path")
-    ap.add_argument("--kv-len", type=int, help="tokens in the KV cache (default 4096; dry run 256)")
-    ap.add_argument("--q-max", type=int, default=64)
-    ap.add_argument("--reps", type=int, help="timed calls per point, median (default 10; dry run 2)")
-    ap.add_argument("--tile", type=int, default=128)
+    ap.add_argument("--kv-len", type=int, help="tokens in the KV cache (default 4096)")
+    ap.add_argument("--q-max", type=int, help="largest verify width Q (default 64)")
+    ap.add_argument("--reps", type=int, help="timed calls per point, median (default 10)")
+    ap.add_argument("--tile", type=int, help="rows per attention tile (default 128)")
     ap.add_argument("--ctas-per-sm", type=int, default=4, help="packed attention: tiles per SM at one tile per head")
-    ap.add_argument("--prompts", type=int, help="decoder benchmark prompts (default 4; dry run 2)")
-    ap.add_argument("--new-tokens", type=int, help="tokens per prompt (default 128; dry run 12)")
+    ap.add_argument("--prompts", type=int, help="decoder benchmark prompts (default 4)")
+    ap.add_argument("--new-tokens", type=int, help="tokens per prompt (default 128)")
     ap.add_argument("--skip-decoder", action="store_true")
     args = ap.parse_args(argv)
     dry = args.cpu_dry_run
-    for name, full, small in (("kv_len", 4096, 256), ("reps", 10, 2), ("prompts", 4, 2), ("new_tokens", 128, 12)):
+    # The dry run keeps every step but shrinks it: a 16-row tile puts the edges at Q* = 4, 2, 1.
+    defaults = {"kv_len": (4096, 64), "q_max": (64, 6), "reps": (10, 2), "tile": (128, 16), "prompts": (4, 1),
+                "new_tokens": (128, 8)}
+    for name, (full, small) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, small if dry else full)
     if not dry and not torch.cuda.is_available():
@@ -370,33 +378,38 @@ def main(argv=None) -> int:
           f"flash-attn {flash_attn_version() or 'not installed'}: target attention {attn}")
     args.out.mkdir(parents=True, exist_ok=True)
 
-    decoder = {}
-
-    def on_target(target, kv):
+    def after_each(result, target, kv):
         if not args.skip_decoder and kv == target.config.num_attention_heads // 4:  # the G = 4 target
             print("decoder speedup on the G = 4 target:")
             with tempfile.TemporaryDirectory() as tmp:
-                decoder["results"] = decoder_speedup(target, args, Path(tmp) / "report")
+                result["decoder"] = decoder_speedup(target, args, Path(tmp) / "report")
                 for plot in ("speedup", "acceptance"):
                     shutil.copy(Path(tmp) / "report" / f"{plot}.png", args.out / f"decoder_{plot}.png")
+        save(result, args.out)
 
-    result = verify_sweep(args, device, dtype, attn, on_target)
+    result = verify_sweep(args, device, dtype, attn, after_each)
+    print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
     md = verify_markdown(result)
-    if "results" in decoder:
+    if "decoder" in result:
         from draftsmith.eval.report import TAU_NOTE, format_table
 
-        d = decoder["results"]
+        d = result["decoder"]
         md += ("\n\n## Decoder speedup over plain decoding\n\n"
                f"{d['target']['path']}, G = {d['target']['G']}, D = {d['target']['D']}; {d['settings']['num_prompts']} "
                f"random prompts, {d['settings']['max_new_tokens']} new tokens, greedy. EAGLE-3, DFlash and DSpark "
                "are untrained: their tau is about 1, their T_draft is what they cost.\n\n"
                + format_table(d) + "\n\n" + TAU_NOTE)
-        result["decoder"] = d
-    (args.out / "verify.md").write_text(md + "\n")
-    (args.out / "verify.json").write_text(json.dumps(result, indent=1, default=str))
-    verify_plot(result, args.out / "verify.png")
-    print(md)
-    return 0
+    return md
+
+
+def save(result: dict, out: Path) -> None:
+    (out / "verify.md").write_text(markdown(result) + "\n")
+    (out / "verify.json").write_text(json.dumps(result, indent=1, default=str))
+    verify_plot(result, out / "verify.png")
 
 
 if __name__ == "__main__":

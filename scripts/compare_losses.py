@@ -1,11 +1,11 @@
-"""Compare the per-step training losses of runs against a single-process reference.
+"""Compare the per-step training losses of runs with a reference run's.
 
-    python scripts/compare_losses.py --rtol 1e-4 REF_RUN NAME=RUN|NAME=!REASON ...
+    python scripts/compare_losses.py [--rtol 1e-4] REFERENCE_RUN NAME=RUN|NAME=!REASON ...
 
-Prints one row per step (and one for the last validation loss): the reference's loss, then
-each run's, marked ! where it deviates by more than rtol. NAME=!REASON is a column that did
-not run and prints REASON; a REASON starting with FAILED fails the comparison. Exits 0 only
-when every run logged exactly the reference's steps, each within rtol.
+Prints one row per logged step, and one ("val") for the last validation loss: the
+reference's loss, then each run's, marked ! beyond rtol. NAME=!REASON is a column that did
+not run and prints REASON; one starting with FAILED fails the comparison. Exits 0 only when
+every run logged exactly the reference's steps, each within rtol of it.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from pathlib import Path
 def losses(run: Path) -> dict[str, float]:
     """{"1": loss, "2": ..., "val": last validation loss} from a run's metrics.jsonl."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in rows if "train/loss" in r]
-    if len(steps) != len(set(steps)):  # every process logged: they did not form one group
+    train = [(str(r["step"]), r["train/loss"]) for r in rows if "train/loss" in r]
+    if len(train) != len(dict(train)):  # every process logged: they never formed one group
         raise ValueError(f"{run}/metrics.jsonl logs a step more than once")
-    out = {str(r["step"]): r["train/loss"] for r in rows if "train/loss" in r}
     val = [r["val/loss"] for r in rows if "val/loss" in r]
-    return {**out, "val": val[-1]} if val else out
+    return dict(train) | ({"val": val[-1]} if val else {})
 
 
 def main(argv=None) -> int:
@@ -35,42 +34,36 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     ref = losses(args.reference)
-    columns, skipped, ok = {}, {}, True
+    runs, notes = {}, {}
     for spec in args.runs:
         name, _, where = spec.partition("=")
-        if where.startswith("!"):  # did not run: "not run on CPU: why" is fine, "FAILED ..." is not
-            skipped[name] = where[1:]
-            ok &= not where[1:].startswith("FAILED")
+        if where.startswith("!"):
+            notes[name] = where[1:]
             continue
         try:
-            columns[name] = losses(Path(where))
+            runs[name] = losses(Path(where))
         except (OSError, ValueError, KeyError) as exc:
-            skipped[name] = f"FAILED: no metrics ({exc})"
-            ok = False
+            notes[name] = f"FAILED: no metrics ({exc})"
+    ok = not any(note.startswith("FAILED") for note in notes.values())
+    deviation = {name: {step: abs(got[step] - want) / max(abs(want), 1e-12) if step in got else float("inf")
+                        for step, want in ref.items()} for name, got in runs.items()}
 
     names = [spec.partition("=")[0] for spec in args.runs]
-    print(f"{'step':>5} {'single':>12} " + " ".join(f"{n:>12}" for n in names))
-    for step, expected in ref.items():
-        cells = []
-        for name in names:
-            if name in skipped:
-                cells.append(f"{'-':>12}")
-                continue
-            got = columns[name].get(step)
-            dev = float("inf") if got is None else abs(got - expected) / max(abs(expected), 1e-12)
-            ok &= dev <= args.rtol
-            cells.append(f"{'missing':>12}" if got is None else f"{got:12.6f}" + ("" if dev <= args.rtol else " !"))
-        print(f"{step:>5} {expected:12.6f} " + " ".join(cells))
+    print(f"{'step':>5} {'single':>12} " + " ".join(f"{name:>12}" for name in names))
+    for step, want in ref.items():
+        cells = [f"{'-':>12}" if name in notes else f"{'missing':>12}" if step not in runs[name]
+                 else f"{runs[name][step]:12.6f}" + (" !" if deviation[name][step] > args.rtol else "")
+                 for name in names]
+        print(f"{step:>5} {want:12.6f} " + " ".join(cells))
     for name in names:
-        if name in columns:
-            extra = sorted(set(columns[name]) - set(ref), key=lambda s: (len(s), s))
-            ok &= not extra
-            worst = max((abs(columns[name][s] - v) / max(abs(v), 1e-12) for s, v in ref.items()
-                         if s in columns[name]), default=float("inf"))
-            print(f"{name}: max relative deviation {worst:.2e} (rtol {args.rtol:g})"
-                  + (f"; steps not in the reference: {extra}" if extra else ""))
-        else:
-            print(f"{name}: {skipped[name]}")
+        if name in notes:
+            print(f"{name}: {notes[name]}")
+            continue
+        extra = sorted(set(runs[name]) - set(ref))
+        worst = max(deviation[name].values())
+        ok &= worst <= args.rtol and not extra
+        print(f"{name}: max relative deviation {worst:.2e} (rtol {args.rtol:g})"
+              + (f"; steps the reference lacks: {', '.join(extra)}" if extra else ""))
     print("agree" if ok else "DISAGREE")
     return 0 if ok else 1
 

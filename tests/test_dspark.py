@@ -17,19 +17,9 @@ from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTI
 from draftsmith.models.export_dflash import (
     export_dflash_zlab, export_dspark, load_dflash_zlab, load_dspark, load_native_drafter, save_native_drafter,
 )
-from draftsmith.models.target import build_tiny_target, freeze, target_forward
+from draftsmith.models.target import target_forward
 
-VOCAB, MASK = 128, 127
-
-
-def tiny_target(arch="qwen3"):
-    return freeze(build_tiny_target(seed=1, arch=arch, vocab_size=VOCAB, num_layers=6, hidden_size=64,
-                                    num_heads=4, num_kv_heads=2))
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
+from test_dflash import MASK, VOCAB, target, tiny_target  # noqa: F401  (shared tiny target and fixture)
 
 
 def dspark_for(target, **overrides) -> DSparkDrafter:

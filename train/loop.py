@@ -52,7 +52,8 @@ def make_accelerator(recipe: Recipe, out_dir: Path):
         gradient_accumulation_steps=recipe.train.grad_accum,
         log_with=None if report_to == "none" else report_to,
         project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # The data order is a function of train.seed alone, whatever else drew random numbers.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.train.seed),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=process_group_kwargs(),
     )
@@ -164,7 +165,12 @@ def train(recipe: Recipe) -> Path:
     if accelerator.is_main_process:
         _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
     micro = step * t.grad_accum
-    per_epoch = len(train_loader)
+    # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
+    # differ between one and several processes, and break `micro = step * grad_accum` on resume.
+    per_epoch = len(train_loader) - len(train_loader) % t.grad_accum
+    if per_epoch == 0:
+        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(train_loader)} batches per epoch, "
+                              f"fewer than train.grad_accum={t.grad_accum}")
     bar = tqdm(total=t.max_steps, initial=step, desc=f"train {recipe.method.name}",
                disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     window: dict[str, float] = {}
@@ -211,7 +217,7 @@ def train(recipe: Recipe) -> Path:
                                                              if k in ("val/loss", "val/ppl", "val/tau_est")))
             if step % t.save_every == 0 or step == t.max_steps:
                 save_checkpoint(accelerator, out_dir, step, t.keep_checkpoints)
-            if step >= t.max_steps:
+            if step >= t.max_steps or micro % per_epoch == 0:
                 break
     bar.close()
     accelerator.wait_for_everyone()
