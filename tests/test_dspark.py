@@ -17,7 +17,7 @@ from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTI
 from draftsmith.models.export_dflash import (
     export_dflash_zlab, export_dspark, load_dflash_zlab, load_dspark, load_native_drafter, save_native_drafter,
 )
-from draftsmith.models.target import target_forward
+from draftsmith.models.target import build_tiny_target, target_forward
 
 from test_dflash import MASK, VOCAB, target, tiny_target  # noqa: F401  (shared tiny target and fixture)
 
