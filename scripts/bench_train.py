@@ -79,17 +79,20 @@ def build_target(device, dtype, attn: str = "sdpa", seed: int = 0, **shape):
 
 class Clock:
     """Marks in time: CUDA events on a GPU (no host sync inside a timed region), the host
-    clock on a CPU, where every op has finished when it returns."""
+    clock on a CPU, where every op has finished when it returns. `process=True` (CPU only)
+    reads the process's CPU seconds instead: on a shared machine other tenants' load then
+    stays out of the numbers (with one torch thread it equals wall time on an idle one)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, process: bool = False):
         self.cuda = device.type == "cuda"
+        self.now = time.process_time if process and not self.cuda else time.perf_counter
 
     def mark(self):
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return self.now()
 
     def ms(self, start, end) -> float:
         if self.cuda:
@@ -212,8 +215,10 @@ def build_drafter(method: str, target, args, backend: str | None):
         if method == "eagle3":  # the target's embedding copied in
             drafter = Eagle3Drafter.from_target(target, **overrides(method, args, backend))
         else:
-            config_cls, module_cls = (DSparkConfig, DSparkDrafter) if method == "dspark" else (DFlashConfig, DFlashDrafter)
-            drafter = module_cls(config_cls.from_target(target.config, **overrides(method, args, backend)))
+            dspark = method == "dspark"
+            config = (DSparkConfig if dspark else DFlashConfig).from_target(target.config,
+                                                                            **overrides(method, args, backend))
+            drafter = (DSparkDrafter if dspark else DFlashDrafter)(config)
     drafter = drafter.to(dtype=torch.float32).train()
     drafter.gradient_checkpointing = args.grad_ckpt
     return drafter
@@ -318,14 +323,15 @@ def markdown(rows, fwd_row, tokens, project_layers, num_layers) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     mib = 2**20
 
-    # The forward of a project_layers-deep target: decoder layers scaled, the rest as measured.
-    projected = fwd_row["ms"] + fwd_row["layers_ms"] * (project_layers / num_layers - 1)
+    # How much longer a project_layers-deep target's forward is: decoder layers scaled, the
+    # rest as measured; applied to each row's paired forwards like the plain ratio.
+    deeper = 1 + fwd_row["layers_ms"] / fwd_row["ms"] * (project_layers / max(num_layers, 1) - 1)
 
     for row in [fwd_row, *rows]:
         is_fwd = row is fwd_row
         cells = [row["phase"], f"{row['ms']:.1f}", f"{row['fwd_ms']:.1f}", f"{row['ms'] / row['fwd_ms']:.2f}"]
         if project_layers:
-            cells.append(f"{row['ms'] / projected:.3f}")
+            cells.append(f"{row['ms'] / (row['fwd_ms'] * deeper):.3f}")
         online = "-" if is_fwd else f"{tokens * 1e3 / (row['ms'] + row['fwd_ms']):.0f}"
         cells += [f"{tokens * 1e3 / row['ms']:.0f}", online, f"{row['state'] / mib:.1f}",
                   f"{row['peak'] / mib:.1f}", f"{row['peak'] / max(fwd_row['peak'], 1):.2f}"]
@@ -340,12 +346,15 @@ def main(argv=None) -> int:
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="default: the device's preset")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--drafter-attention", default=None,
-                    help="comma list of drafter attention backends to compare (sdpa, flex, auto); default: the configs'")
+                    help="comma list of drafter attention backends to compare (sdpa, flex, auto); "
+                         "default: the configs' own")
     ap.add_argument("--grad-ckpt", action="store_true", help="drafters recompute activations in backward")
     ap.add_argument("--attn", default="sdpa", help="the target's attn_implementation")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--clock", choices=("wall", "process"), default="wall",
+                    help="CPU only: process = the process's CPU time, immune to other load (use with --threads 1)")
     ap.add_argument("--out", type=Path, help="also write the report (Markdown) to this file")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -365,17 +374,20 @@ def main(argv=None) -> int:
                           intermediate_size=args.intermediate, max_position_embeddings=max(2048, args.seq + 256))
     batch = make_batch(args.vocab, args.batch, args.seq, device)
     tokens = args.batch * args.seq
-    clock, memory = Clock(device), Memory(device)
+    clock, memory = Clock(device, process=args.clock == "process"), Memory(device)
     # One forward captures what every drafter reads (a run captures its own; hooks cost nothing).
     capture = {i for m in methods for i in layer_ids(m, target, args)}
     fwd = TargetForward(target, batch, sorted(capture), clock)
 
-    gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    threads = torch.get_num_threads()
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else f"{threads} thread{'s' if threads > 1 else ''}"
     head = [f"device {device} ({gpu}), target {str(dtype).removeprefix('torch.')}, attn {args.attn}; drafters fp32"
             f"{' under bf16 autocast' if device.type == 'cuda' else ''}",
             f"target: hidden {args.hidden}, {args.layers} layers, {args.heads} q / {args.kv_heads} kv heads, "
             f"vocab {args.vocab}; batch {args.batch} x seq {args.seq} = {tokens} tokens; "
-            f"warm-up {args.warmup}, repeats {args.repeats} (median); memory: {memory.how}",
+            f"warm-up {args.warmup}, repeats {args.repeats} (median); "
+            f"clock: {'CUDA events' if clock.cuda else 'process CPU time' if args.clock == 'process' else 'wall'}; "
+            f"memory: {memory.how}",
             "step = loss forward + backward + clip + AdamW step on precomputed features; the target's feature "
             "forward is its own row, and each step's ratio is against the forwards timed between its steps "
             "(paired fwd); online tok/s = tokens / (step + paired fwd)"]

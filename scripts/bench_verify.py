@@ -6,14 +6,15 @@ attention tile, and what each drafter's decoding is worth.
    dim 64 over 8/4/2 KV heads, vocab 128256, as Llama-3.2-1B) with a 4096-token KV cache.
    Three measures per point:
    - `wall`: one target verify forward as the decoder runs it (models.target.target_forward
-     on a DynamicCache, cropped back after each call), CUDA events around it; at batch 1
-     this is mostly kernel-launch time of the eager forward;
-   - `kernel`: the summed GPU time of that forward's kernels (torch.profiler), which is
-     what a CUDA-graphed engine would pay;
+     on a DynamicCache, cropped back after each call), CUDA events around it; an eager
+     forward at batch 1 may be bound by kernel launches, which the next measure leaves out;
+   - `kernel`: the summed GPU time of that forward's kernels (torch.profiler), about what
+     an engine replaying CUDA graphs pays;
    - `attn`: the attention alone, laid out as packing kernels lay it out (FA3's PackGQA,
      FlashInfer, FlashMLA): the G heads of a KV head and the Q tokens as G*Q rows of one
-     problem, over 4096 + Q keys, batched until each tile is 4 CTAs per SM, so that every
-     extra tile is extra work and not extra parallelism on idle SMs.
+     problem, over 4096 + Q keys (the causal mask among the Q new keys is left out: Q of
+     4096 columns), batched so that one tile per KV head is already 4 CTAs per SM: every
+     extra tile is then extra work, not extra parallelism on idle SMs.
    The tile rule predicts a step in `attn` between Q* = 128 // G and Q* + 1. The target's
    own attention (flash_attention_2 or SDPA) does not pack heads for Q > 1 (FA2 swaps
    heads into rows for Q == 1 only), so `wall` and `kernel` need not step at Q*: that is
@@ -115,21 +116,25 @@ def packed_attention(batch, kv_heads, group, q_max, kv_len, head_dim, device, dt
         name = "flash_attn.flash_attn_func (FA2)"
         run = lambda n: flash_attn_func(q[:, : group * n], k[:, : kv_len + n], v[:, : kv_len + n])  # noqa: E731
     else:
+        import contextlib
+
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA layout [B, heads, L, d]
-        if device.type == "cuda":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            name, context = "torch SDPA, flash backend (FA2 port)", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-        else:
-            import contextlib
-
-            name, context = "torch SDPA (CPU)", contextlib.nullcontext
 
         def run(n):
             with context():
                 return sdpa(qt[:, :, : group * n], kt[:, :, : kv_len + n], vt[:, :, : kv_len + n])
+
+        name, context = "torch SDPA (CPU)", contextlib.nullcontext
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            name, context = "torch SDPA, flash backend (FA2 port)", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+            try:
+                run(1)
+            except RuntimeError as exc:  # no flash kernel for this build or shape: say so, measure anyway
+                name, context = f"torch SDPA, default backend (flash refused: {str(exc)[:80]})", contextlib.nullcontext
 
     def measure(n: int, reps: int) -> float:
         run(n)  # warm-up: the first call of a shape picks its kernel
@@ -147,7 +152,8 @@ def verify_sweep(args, device, dtype, attn: str, after_each) -> dict:
     clock = Clock(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     head_dim = shape["hidden_size"] // shape["num_heads"]
-    result = {"shape": {**shape, "head_dim": head_dim, "kv_len": args.kv_len, "dtype": str(dtype).removeprefix("torch."),
+    dtype_name = str(dtype).removeprefix("torch.")
+    result = {"shape": {**shape, "head_dim": head_dim, "kv_len": args.kv_len, "dtype": dtype_name,
                         "attn_implementation": attn, "tile": args.tile, "ctas_per_sm": args.ctas_per_sm, "sms": sms},
               "sweep": {}}
     for kv in kv_list:
@@ -163,7 +169,8 @@ def verify_sweep(args, device, dtype, attn: str, after_each) -> dict:
         attn_ms, result["shape"]["packed_attention"] = packed_attention(batch, kv, group, args.q_max, args.kv_len,
                                                                        head_dim, device, dtype)
         rows = {"q": [], "wall_ms": [], "kernel_ms": [], "attn_ms": []}
-        print(f"G = {group} ({kv} KV heads): verify forward and packed attention (batch {batch}) for Q = 1..{args.q_max}")
+        print(f"G = {group} ({kv} KV heads): verify forward and packed attention (batch {batch}), "
+              f"Q = 1..{args.q_max}", flush=True)
         calls = {}
         for n in range(1, args.q_max + 1):
             tokens = torch.randint(0, shape["vocab_size"], (1, n), generator=gen).to(device)
@@ -328,12 +335,15 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
         extra = {"prompts unlike plain": sum(a != b for a, b in zip(out, base_out))}
         if callable(getattr(drafter, "report_extra", None)):
             extra.update(drafter.report_extra())
-        rows.append({"name": name, "spec": f"{name} (untrained)" if name in ("eagle3", "eagle3_tree", "dflash", "dspark")
-                     else name, "num_draft": plan.D, "tau": stats.tau, "verify_passes": stats.verify_passes,
-                     "committed_tokens": stats.committed, "per_position_acceptance": stats.per_position_acceptance,
-                     "accepted_length_hist": list(stats.accepted_hist), "tokens_per_s": tps,
-                     "speedup": tps / max(base_tps, 1e-9), "bound": speedup_bound(stats.tau, t_target, t_draft, t_verify),
-                     "T_draft_ms": t_draft, "T_verify_ms": t_verify, "extra": extra})
+        untrained = name in ("eagle3", "eagle3_tree", "dflash", "dspark")
+        rows.append({
+            "name": name, "spec": f"{name} (untrained)" if untrained else name, "num_draft": plan.D,
+            "tau": stats.tau, "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
+            "per_position_acceptance": stats.per_position_acceptance,
+            "accepted_length_hist": list(stats.accepted_hist), "tokens_per_s": tps,
+            "speedup": tps / max(base_tps, 1e-9), "bound": speedup_bound(stats.tau, t_target, t_draft, t_verify),
+            "T_draft_ms": t_draft, "T_verify_ms": t_verify, "extra": extra,
+        })
         print(f"  {name}: tau {stats.tau:.2f}, {tps:.1f} tok/s ({rows[-1]['speedup']:.2f}x plain)")
     shape = f"random llama: hidden {config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size}"
     results = {
@@ -374,7 +384,8 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if dry else "cuda")
     dtype = torch.float32 if dry else torch.bfloat16
     attn = "flash_attention_2" if (device.type == "cuda" and flash_attn_version()) else "sdpa"
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu (dry run)'}, torch {torch.__version__}, "
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (dry run)"
+    print(f"device {name}, torch {torch.__version__}, "
           f"flash-attn {flash_attn_version() or 'not installed'}: target attention {attn}")
     args.out.mkdir(parents=True, exist_ok=True)
 

@@ -31,7 +31,7 @@ trap 'rm -rf "$work"' EXIT
 log="$out/gpu_check.log"
 : >"$log"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-       WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+       WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false TQDM_DISABLE=1
 
 say() { echo "$*" | tee -a "$log"; }
 failed=()
@@ -64,7 +64,7 @@ if ! python3 -c "import draftsmith.eval.decoder" 2>/dev/null; then
 fi
 
 if [[ $dry == 1 ]]; then
-    mode="CPU dry run (tiny sizes; timings mean nothing)"
+    mode="CPU dry run, tiny sizes: the timings mean nothing"
     verify_args=(--cpu-dry-run)
     tests=(tests/test_gpu.py)  # every test skips on a CPU; collecting the GPU file is the check
     train_args=(--device cpu --hidden 64 --layers 4 --heads 4 --kv-heads 1 --vocab 256 --draft-vocab 128
@@ -90,7 +90,7 @@ print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {tor
       f"transformers {transformers.__version__}, flash-attn {fa}; GPU: {gpu}")
 EOF
 [[ $dry == 1 ]] || nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
-    2>&1 | tee -a "$log"
+    2>&1 | tee -a "$log" "$work/env.txt"
 
 step "pytest -m gpu" 140 python3 -m pytest -m gpu -q -rs --continue-on-collection-errors "${tests[@]}"
 tests_summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran" "$log" | tail -1)
@@ -101,9 +101,11 @@ for f in verify.json verify.png decoder_speedup.png decoder_acceptance.png; do
     [[ -f "$work/$f" ]] && cp "$work/$f" "$out/$f"
 done
 {
-    echo "# GPU check ($mode)"
+    echo "# GPU check: $mode"
     echo
+    echo '```'
     cat "$work/env.txt"
+    echo '```'
     echo
     echo "## pytest -m gpu"
     echo

@@ -7,7 +7,7 @@ deselected everywhere else (pyproject's addopts), skipped where no CUDA device i
   not the right check in bf16: a verify over 1 + D positions and a plain one-token forward
   run different kernels, so an argmax between two logits closer than bf16 can order them
   may fall either way. The check: outputs equal the target's own greedy `generate`, or
-  first differ at a position where the two candidate tokens' logits are within 2 ulps.
+  first differ where the two candidates' logits are within 2 bf16 eps of the largest one.
 - The target's logits through flash-attn equal SDPA's within bf16 tolerance, in a prefill
   and in a cached verify pass (which needs FA2's bottom-right causal alignment).
 - EAGLE-3, DFlash and DSpark training steps run under bf16 autocast on CUDA with fp32
@@ -96,9 +96,9 @@ def check_same_up_to_ties(target, prompt: list[int], ours: list[int], reference:
     with torch.no_grad():
         logits = target(torch.tensor([prompt + reference[:i]], device="cuda")).logits[0, -1].float()
     gap = (logits[reference[i]] - logits[ours[i]]).abs().item()
-    ulp = 2 * torch.finfo(torch.bfloat16).eps * logits.abs().max().item()  # 2 ulps at the largest logit
-    assert gap <= ulp, (f"output departs from greedy at token {i}: {ours[i]} instead of {reference[i]}, "
-                        f"whose logits differ by {gap:.4g} (> {ulp:.3g}, not a bf16 tie)")
+    tie = 2 * torch.finfo(torch.bfloat16).eps * logits.abs().max().item()  # 2 to 4 ulps at the largest logit
+    assert gap <= tie, (f"output departs from greedy at token {i}: {ours[i]} instead of {reference[i]}, "
+                        f"whose logits differ by {gap:.4g} (> {tie:.3g}, not a bf16 tie)")
     return False
 
 
