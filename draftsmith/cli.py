@@ -32,6 +32,7 @@ def _eval(args) -> None:
         dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperatures=args.temperature or [0.0], top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         num_draft=args.num_draft, tile=args.tile, prompt_chars=args.prompt_chars, drafters=args.drafter,
+        cache=args.cache, compile=args.compile,
     )
     print_summary(evaluate(args.target, settings, args.out), args.out)
 
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft", type=int, default=None, help="drafts per verify (default: the tile rule's D)")
     p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
     p.add_argument("--tile", type=int, default=128)
+    p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                   help="the target's KV cache: dynamic (grows) or static (preallocated, fixed addresses)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the verify forward (CUDA graphs on CUDA); needs --cache static")
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
     p.set_defaults(handler=_eval)
 

@@ -11,6 +11,15 @@ step is one target forward over 1 + N positions, the acceptance rule, and a cach
 
 The prompt is prefilled once (not a verify pass); its last logits give the first token.
 Plain decoding is the same loop with an empty draft every step (`generate_plain`).
+
+`cache="static"` keeps the target's KV in a preallocated transformers StaticCache owned by
+the decoder and reused by every sequence (so one sequence in flight per decoder); its
+rollback is a move of the write position (models/target.py). `compile=True` (static cache
+only) runs the verify forward under torch.compile, CUDA graphs on CUDA: every verify is
+padded to 1 + D rows so that one graph serves all steps. The pad rows come after the real
+ones and only see the prefix and themselves, so the real rows' results are unchanged; D is
+sized by the tile rule to fill one attention tile, so the pad costs little there. The KV
+they write lies past the committed length and is dropped with the rejected drafts.
 """
 
 from __future__ import annotations
@@ -32,7 +41,17 @@ from draftsmith.eval.sampling import (
     process_logits,
 )
 from draftsmith.eval.tile import plan_tile
-from draftsmith.models.target import crop_cache, new_cache, target_forward
+from draftsmith.models.target import (
+    CompiledVerify,
+    cache_length,
+    crop_cache,
+    keep_cache_rows,
+    new_cache,
+    new_static_cache,
+    target_forward,
+)
+
+CACHE_KINDS = ("dynamic", "static")
 
 
 def default_num_draft(config, tile: int = 128, tp: int = 1) -> int:
@@ -115,7 +134,8 @@ class DecodeResult:
 
 @dataclass
 class DecodeState:
-    """One sequence in flight: the target cache (all committed tokens but `last`)."""
+    """One sequence in flight: the target cache (all committed tokens but `last`). A static
+    cache belongs to the decoder, so a new `start` takes it over from this state."""
 
     cache: object
     last: torch.Tensor  # [1] the last committed token, not yet in the cache
@@ -131,29 +151,41 @@ class DecodeState:
 class _TreeMask:
     """Additive 4D attention mask for tree verifies, kept in one buffer across steps.
 
-    The buffer is all zeros (visible) except the tree block written for the current step
-    and cleared after its forward, so the committed-prefix columns never need writing.
+    Between steps, columns [0, visible) are zero (visible to every row) and all later ones
+    blocked. A step unblocks the columns committed since the last one, opens its tree block
+    at [prefix, prefix + q) along the ancestor pattern and blocks it again after the
+    forward, so only columns that change are written. The mask is `prefix + q` columns wide
+    for a DynamicCache and `width` (all the slots) for a StaticCache, whose slots past the
+    block hold stale rows and so must stay blocked.
     """
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
         self.blocked = torch.finfo(dtype).min
         self.buf = torch.zeros(1, 1, 0, 0, dtype=dtype, device=device)
+        self.visible = 0
         self._block: torch.Tensor | None = None
 
-    def build(self, prefix: int, ancestors: torch.Tensor) -> torch.Tensor:
+    def build(self, prefix: int, ancestors: torch.Tensor, width: int | None = None) -> torch.Tensor:
         q = ancestors.shape[0]
         rows, cols = self.buf.shape[2:]
-        if rows < q or cols < prefix + q:
-            cols = max(cols, -(-2 * (prefix + q) // 64) * 64)  # grow geometrically
-            self.buf = torch.zeros(1, 1, max(rows, q), cols, dtype=self.dtype, device=self.device)
+        if rows < q or cols < (width or prefix + q):
+            # a growing cache: grow geometrically; a static one: its size once
+            cols = max(cols, width or -(-2 * (prefix + q) // 64) * 64)
+            self.buf = torch.full((1, 1, max(rows, q), cols), self.blocked, dtype=self.dtype, device=self.device)
+            self.visible = 0
+        if prefix > self.visible:
+            self.buf[..., self.visible : prefix].zero_()
+        elif prefix < self.visible:  # a new sequence
+            self.buf[..., prefix : self.visible].fill_(self.blocked)
+        self.visible = prefix
         self._block = self.buf[0, 0, :q, prefix : prefix + q]
-        self._block.masked_fill_(~ancestors, self.blocked)
-        return self.buf[:, :, :q, : prefix + q]
+        self._block.masked_fill_(ancestors, 0.0)
+        return self.buf[:, :, :q, : width or prefix + q]
 
     def clear(self) -> None:
         if self._block is not None:
-            self._block.zero_()
+            self._block.fill_(self.blocked)
             self._block = None
 
 
@@ -181,20 +213,6 @@ def _tree_layout(parents: list[int]) -> tuple[list[int], torch.Tensor, list[list
     return depth, ancestors, children
 
 
-def _keep_cache_rows(cache, first: int, rows: list[int]) -> None:
-    """Move KV rows `rows` (absolute, increasing, each >= its destination) onto
-    `first, first + 1, ...` and drop everything after them."""
-    moved = [(dst, src) for dst, src in enumerate(rows, start=first) if dst != src]
-    if moved:
-        dst = torch.tensor([d for d, _ in moved])
-        src = torch.tensor([s for _, s in moved])
-        for layer in cache.layers:
-            dst, src = dst.to(layer.keys.device), src.to(layer.keys.device)
-            layer.keys[:, :, dst] = layer.keys[:, :, src]
-            layer.values[:, :, dst] = layer.values[:, :, src]
-    crop_cache(cache, first + len(rows))
-
-
 class SpeculativeDecoder:
     def __init__(
         self,
@@ -202,14 +220,30 @@ class SpeculativeDecoder:
         drafter: Drafter,
         num_draft: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        *,
+        cache: str = "dynamic",
+        max_cache_len: int | None = None,
+        compile: bool = False,
     ):
         """`num_draft` defaults to the tile rule; `eos_token_id` to the target's generation
-        config (pass `()` to decode to the limit regardless of EOS)."""
+        config (pass `()` to decode to the limit regardless of EOS). `cache` is the target's
+        KV cache, "dynamic" or "static"; a static one holds `max_cache_len` tokens, by default
+        the first sequence's prompt + max_new_tokens + D rounded up to 256 (regrown when a
+        later one needs more). `compile` (static cache only) compiles the verify forward."""
         self.target = target
         self.drafter = drafter
         self.num_draft = default_num_draft(target.config) if num_draft is None else int(num_draft)
         if self.num_draft < 0:
             raise DraftsmithError(f"num_draft must be >= 0, got {num_draft}")
+        if cache not in CACHE_KINDS:
+            raise DraftsmithError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
+        if compile and cache != "static":
+            raise DraftsmithError("compile needs the static cache: a compiled graph replays fixed shapes "
+                                  "at fixed addresses")
+        if max_cache_len is not None and cache != "static":
+            raise DraftsmithError("max_cache_len sizes the static cache; the dynamic cache grows as needed")
+        self.cache_kind, self.max_cache_len, self.compile = cache, max_cache_len, bool(compile)
+        self._static = None  # the static cache, made by the first `start`
         if eos_token_id is None:
             gen = getattr(target, "generation_config", None)
             eos_token_id = getattr(gen, "eos_token_id", None) or getattr(target.config, "eos_token_id", None)
@@ -220,6 +254,7 @@ class SpeculativeDecoder:
         self._capture = tuple(sorted(set(drafter.capture_layers)))
         self._tree_mask = _TreeMask(next(target.parameters()).dtype, self.device)
         self._plain: SpeculativeDecoder | None = None
+        self._compiled = CompiledVerify(target, self._capture) if self.compile else None
 
     def _clock(self) -> float:
         if self.device.type == "cuda":
@@ -245,7 +280,9 @@ class SpeculativeDecoder:
         """Plain autoregressive decoding through the same cache code (tau = 1 exactly);
         its verify time per pass is T_target."""
         if self._plain is None:
-            self._plain = SpeculativeDecoder(self.target, NoDrafter(), num_draft=0, eos_token_id=tuple(self.eos))
+            self._plain = SpeculativeDecoder(self.target, NoDrafter(), num_draft=0, eos_token_id=tuple(self.eos),
+                                             cache=self.cache_kind, max_cache_len=self.max_cache_len,
+                                             compile=self.compile)
         return self._plain.generate(prompt_ids, max_new_tokens, sampling, generator)
 
     @torch.no_grad()
@@ -254,7 +291,7 @@ class SpeculativeDecoder:
         t0 = self._clock()
         prompt = self._single_sequence(prompt_ids).to(self.device)
         stats = DecodeStats(self.num_draft)
-        cache = new_cache(self.target)
+        cache = self._new_sequence_cache(len(prompt) + max_new_tokens)
         state = DecodeState(cache, prompt[-1:], [], max_new_tokens, sampling, generator, stats, started=t0)
         if max_new_tokens <= 0:
             state.done = True
@@ -277,7 +314,7 @@ class SpeculativeDecoder:
         """One draft + verify step; returns the tokens it committed."""
         stats = state.stats
         t0 = self._clock()
-        prefix = state.cache.get_seq_length()
+        prefix = cache_length(state.cache)
         # The full budget even near the token limit: a tree's depth, not its size, bounds
         # what it can commit, and the tokens past the limit are simply not kept.
         draft = self.drafter.propose(self.num_draft, state.sampling, state.generator)
@@ -298,7 +335,7 @@ class SpeculativeDecoder:
             crop_cache(state.cache, prefix + 1 + len(path))
             rows = slice(0, 1 + len(path))
         else:
-            _keep_cache_rows(state.cache, prefix + 1, [prefix + 1 + c for c in path])
+            keep_cache_rows(state.cache, prefix + 1, [prefix + 1 + c for c in path])
             rows = torch.tensor([0] + [c + 1 for c in path], device=self.device)
         new = [draft_list[c] for c in path] + [int(bonus)]
         keep = self._keep(new, state)
@@ -318,22 +355,56 @@ class SpeculativeDecoder:
 
     # ---- pieces of a step -----------------------------------------------------------
 
+    def _new_sequence_cache(self, tokens: int):
+        """An empty target cache with room for `tokens` committed ones plus a last verify."""
+        if self.cache_kind == "dynamic":
+            return new_cache(self.target)
+        # The last verify writes 1 + D rows from slot tokens - 2 at the latest.
+        need = tokens + self.num_draft
+        if self.max_cache_len is not None and need > self.max_cache_len:
+            raise DraftsmithError(f"static cache of {self.max_cache_len} tokens: this sequence needs {need} "
+                                  f"(prompt + max_new_tokens + {self.num_draft} drafts)")
+        if self._static is None or self._static.get_max_length() < need:
+            self._static = new_static_cache(self.target, self.max_cache_len or -(-need // 256) * 256)
+        crop_cache(self._static, 0)
+        return self._static
+
     def _verify(self, state: DecodeState, inputs: torch.Tensor, parents: torch.Tensor | None):
         """The target forward over `[last, drafts]`: causal for a chain; for a tree, each
         node sees the prefix and its ancestors, at position prefix + depth."""
         if parents is None:
+            if self._compiled is not None:
+                return self._verify_compiled(state, inputs), None
             return target_forward(self.target, inputs, cache=state.cache, capture=self._capture), None
         self._check_tree_support(state.cache)
-        prefix = state.cache.get_seq_length()
+        prefix = cache_length(state.cache)
         depth, ancestors, children = _tree_layout(parents.tolist())
+        width = None if self.cache_kind == "dynamic" else state.cache.get_max_length()
+        if self._compiled is not None:  # pad rows after the tree: they see the prefix and themselves
+            pad = 1 + self.num_draft - len(depth)
+            depth = depth + list(range(len(depth), len(depth) + pad))
+            ancestors = torch.block_diag(ancestors, torch.eye(pad, dtype=torch.bool))
         positions = torch.tensor(depth, device=self.device).add_(prefix)[None]
-        mask = self._tree_mask.build(prefix, ancestors.to(self.device))
+        mask = self._tree_mask.build(prefix, ancestors.to(self.device), width)
         try:
-            out = target_forward(self.target, inputs, cache=state.cache, position_ids=positions,
-                                 attention_mask=mask, capture=self._capture)
+            if self._compiled is not None:
+                out = self._verify_compiled(state, inputs, positions, mask)
+            else:
+                out = target_forward(self.target, inputs, cache=state.cache, position_ids=positions,
+                                     attention_mask=mask, capture=self._capture)
         finally:
             self._tree_mask.clear()
         return out, children
+
+    def _verify_compiled(self, state: DecodeState, inputs, positions=None, mask=None):
+        """The compiled forward on `inputs` padded to 1 + D rows, cut back to the real rows.
+        Chains leave positions and mask to transformers (from the cache's write position)."""
+        q = inputs.shape[1]  # any token will do for the pad rows: their results are cut off
+        padded = torch.cat([inputs, inputs[:, :1].expand(1, 1 + self.num_draft - q)], dim=1)
+        out = self._compiled(padded, state.cache, position_ids=positions, attention_mask=mask)
+        out.logits = out.logits[:, :q]
+        out.hidden = {i: h[:, :q] for i, h in out.hidden.items()}
+        return out
 
     def _accept(self, logits, drafts, draft_list, probs, children, state) -> tuple[list[int], torch.Tensor]:
         """(accepted draft node indices in order, the target's next token)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.decoder import DecodeStats, SpeculativeDecoder
+from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.drafter import SamplingParams
 from draftsmith.eval.drafters import load_drafter, parse_spec
 from draftsmith.eval.report import format_table, speedup_bound, write_index, write_report
@@ -35,6 +35,8 @@ class EvalSettings:
     tile: int = 128
     prompt_chars: int = 400  # embedded prompts: characters of held-out source per prompt
     drafters: list[str] = field(default_factory=list)
+    cache: str = "dynamic"  # the target's KV cache: "dynamic" or "static"
+    compile: bool = False  # the verify forward under torch.compile (CUDA graphs on CUDA); static cache only
 
 
 def target_dir(path: str | Path) -> Path:
@@ -100,6 +102,11 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
 
     if not settings.drafters:
         raise DraftsmithError("eval: give at least one --drafter")
+    if settings.cache not in CACHE_KINDS:
+        raise DraftsmithError(f"eval: --cache must be one of {', '.join(CACHE_KINDS)}, got {settings.cache!r}")
+    if settings.compile and settings.cache != "static":
+        raise DraftsmithError("eval: --compile needs --cache static (a compiled graph replays fixed shapes at fixed "
+                              "addresses)")
     for spec in settings.drafters:  # cheap checks before any model is loaded
         parse_spec(spec)
     for t in settings.temperatures:
@@ -136,8 +143,14 @@ def _label(results: dict) -> str:
 
 def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingParams, num_draft: int) -> dict:
     """Plain decoding, then each drafter, on the same prompts with the same settings."""
-    baseline_decoder = SpeculativeDecoder(target, drafters[0], num_draft=num_draft)
-    baseline_decoder.generate_plain(prompts[0][:8], 4)  # warm-up: first calls pay one-off costs
+    cache = {"cache": settings.cache, "compile": settings.compile}
+    if settings.cache == "static":  # one size for every prompt: a compiled graph is traced for it once
+        cache["max_cache_len"] = max(len(p) for p in prompts) + settings.max_new_tokens + num_draft
+    # First calls pay one-off costs; with compile, CUDA graphs trace, then record, then replay.
+    warm_ups = 3 if settings.compile else 1
+    baseline_decoder = SpeculativeDecoder(target, drafters[0], num_draft=num_draft, **cache)
+    for _ in range(warm_ups):
+        baseline_decoder.generate_plain(prompts[0][:8], 4)
     base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, True, "plain decoding")
     t_target = _per_pass_ms(base_stats, base_stats.verify_s)
     base_tps = _tokens_per_s(base_stats, base_out)
@@ -145,8 +158,9 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
     rows, outputs = [], {"baseline": base_out}
     unique = len({d.name for d in drafters}) == len(drafters)
     for spec, drafter in zip(settings.drafters, drafters):
-        decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft)
-        decoder.generate(prompts[0][:8], 4, sampling)  # warm-up
+        decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft, **cache)
+        for _ in range(warm_ups):
+            decoder.generate(prompts[0][:8], 4, sampling)
         stats, out = _decode_all(decoder, prompts, settings, sampling, False, f"{spec} t={sampling.temperature:g}")
         if sampling.greedy:
             for i, (mine, plain) in enumerate(zip(out, base_out)):
@@ -173,7 +187,7 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
     return {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
-                     "seed": settings.seed},
+                     "seed": settings.seed, "cache": settings.cache, "compile": settings.compile},
         "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target},
         "drafters": rows,
         "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()}}

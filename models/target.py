@@ -7,6 +7,11 @@ removed in 5.40), so the spelling is chosen once here from the model's signature
 Layer ids are "output of decoder layer i", 0-based, everywhere in draftsmith. They are
 captured with forward hooks on the decoder layers: `output_hidden_states` would hand back
 the *normed* output for the last layer, which is not what serving engines capture.
+
+Two kinds of target cache, both handled only here: transformers' DynamicCache (grows, is
+cropped by -n), and its StaticCache (preallocated, fixed addresses: what CUDA graphs need),
+rolled back by moving its write position. `CompiledVerify` is the verify forward under
+torch.compile over a static cache.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -137,13 +143,164 @@ def new_cache(model: nn.Module):
     return DynamicCache(config=model.config)
 
 
+def new_static_cache(model: nn.Module, max_len: int):
+    """A transformers StaticCache of `max_len` tokens, its buffers allocated by the first forward.
+
+    A StaticLayer writes each forward at its length counter, `cumulative_length` (a device
+    tensor, so that a compiled graph reads it rather than baking it in), and reports the
+    whole buffer as the keys; the causal mask transformers builds from that counter hides
+    every slot past the query positions. So keeping the first n tokens is setting the
+    counter to n (`crop_cache`): rows past it are never read and the next forward overwrites
+    them. A tree verify passes its own 4D mask, which must then span all `max_len` slots.
+    """
+    from transformers import StaticCache
+
+    impl = getattr(model.config, "_attn_implementation", "") or ""
+    if "flash" in impl:
+        # flash-attn takes no mask: it would read the stale slots past the write position
+        raise DraftsmithError(f"a static target cache needs a masked attention (sdpa or eager), "
+                              f"not attn_implementation={impl!r}")
+    cache = StaticCache(config=model.config, max_cache_len=int(max_len))
+    if any(cache.is_sliding) or not all(hasattr(layer, "cumulative_length") for layer in cache.layers):
+        raise DraftsmithError("a static target cache needs full-attention layers and a transformers whose "
+                              "StaticCache keeps its own write position (5.24 is tested); use the dynamic cache")
+    return cache
+
+
+def is_static_cache(cache) -> bool:
+    from transformers import StaticCache
+
+    return isinstance(cache, StaticCache)
+
+
+def cache_length(cache) -> int:
+    """Tokens in the cache as a Python int (a StaticCache reports a device tensor)."""
+    return int(cache.get_seq_length())
+
+
 def crop_cache(cache, keep: int) -> None:
-    """Keep the first `keep` tokens of a DynamicCache (transformers 5 crops by -n only)."""
+    """Keep the first `keep` tokens of the cache.
+
+    A DynamicCache is cropped by -n (transformers 5 refuses a positive argument). A
+    StaticCache gets its write position set to `keep` (see `new_static_cache`), without
+    reading its length: that read would wait for the device.
+    """
+    if is_static_cache(cache):
+        if not 0 <= keep <= cache.get_max_length():
+            raise ValueError(f"cannot set a static cache of {cache.get_max_length()} slots to {keep} tokens")
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(keep)
+        return
     drop = cache.get_seq_length() - keep
     if drop < 0:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
     if drop:
         cache.crop(-drop)
+
+
+def keep_cache_rows(cache, first: int, rows: list[int]) -> None:
+    """Move KV rows `rows` (absolute, increasing, each >= its destination) onto
+    `first, first + 1, ...` and drop everything after them. Either kind of cache: a row's
+    slot is its token position in both."""
+    moved = [(dst, src) for dst, src in enumerate(rows, start=first) if dst != src]
+    if moved:
+        dst = torch.tensor([d for d, _ in moved])
+        src = torch.tensor([s for _, s in moved])
+        for layer in cache.layers:
+            dst, src = dst.to(layer.keys.device), src.to(layer.keys.device)
+            layer.keys[:, :, dst] = layer.keys[:, :, src]
+            layer.values[:, :, dst] = layer.values[:, :, src]
+    crop_cache(cache, first + len(rows))
+
+
+# ---- the compiled verify forward --------------------------------------------------------
+
+
+class _LayerRecorder:
+    """Keeps the outputs of hooked decoder layers while `active`.
+
+    One per model, its hooks installed once and never removed: a compiled graph inlines the
+    hooks present when it was traced (dynamo does not guard on hooks), so the per-call hooks
+    of `capture_layers` would leave a graph writing into a dead call's dict. Outside a
+    compiled verify the hooks return at once.
+    """
+
+    def __init__(self):
+        self.active = False
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.hooked: set[int] = set()
+
+
+_RECORDERS: "weakref.WeakKeyDictionary[nn.Module, _LayerRecorder]" = weakref.WeakKeyDictionary()
+
+
+def _layer_recorder(model: nn.Module, layer_ids: tuple[int, ...]) -> _LayerRecorder:
+    recorder = _RECORDERS.setdefault(model, _LayerRecorder())
+    layers = decoder_layers(model)
+    for i in layer_ids:
+        if i not in recorder.hooked:
+            def hook(_module, _inputs, output, i=i):
+                if recorder.active:
+                    recorder.outputs[i] = output[0] if isinstance(output, tuple) else output
+            layers[i].register_forward_hook(hook)
+            recorder.hooked.add(i)
+    return recorder
+
+
+def _verify_graph(model, recorder, capture, cache_name, input_ids, position_ids, attention_mask, cache):
+    """What torch.compile captures: one target forward, and the recorded layers as outputs."""
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                use_cache=True, **{cache_name: cache})
+    return out.logits, tuple(recorder.outputs.pop(i) for i in capture)
+
+
+def compile_options(device: torch.device) -> dict:
+    """torch.compile settings of the verify forward. On CUDA, 'reduce-overhead' (CUDA graphs:
+    they replay fixed shapes at fixed addresses, hence the static cache and padded verify);
+    elsewhere inductor's default. One graph (fullgraph) and no dynamic shapes either way."""
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return {"mode": mode, "fullgraph": True, "dynamic": False}
+
+
+class CompiledVerify:
+    """`target_forward` for verify passes, under torch.compile, over a static cache.
+
+    Callers keep shapes fixed (the decoder pads every verify to 1 + D rows), so one graph
+    serves every step: one for chains (causal mask built inside the graph from the cache's
+    write position) and one for trees (the caller's 4D mask). Outputs of a CUDA graph are
+    overwritten by its next replay, so they are copied out; elsewhere they are returned as is.
+    """
+
+    def __init__(self, model: nn.Module, capture: Iterable[int] = ()):
+        self.model = model
+        self.capture = tuple(sorted(set(int(i) for i in capture)))
+        check_layer_ids(model, self.capture)
+        self.recorder = _layer_recorder(model, self.capture)
+        device = next(model.parameters()).device
+        options = compile_options(device)
+        self.cuda_graphs = options.get("mode") == "reduce-overhead"
+        self._graph = torch.compile(_verify_graph, **options)
+
+    def __call__(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> TargetOutput:
+        if not is_static_cache(cache):
+            raise DraftsmithError("a compiled verify needs a static target cache")
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are done with
+        self.recorder.active = True
+        try:
+            logits, hidden = self._graph(self.model, self.recorder, self.capture, cache_kwarg(self.model),
+                                         input_ids, position_ids, attention_mask, cache)
+        except torch._dynamo.exc.Unsupported as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DraftsmithError(f"torch.compile cannot capture this target's verify in one graph ({first}); "
+                                  "run without compile") from None
+        finally:
+            self.recorder.active = False
+            self.recorder.outputs.clear()
+        if self.cuda_graphs:
+            logits, hidden = logits.clone(), tuple(h.clone() for h in hidden)
+        return TargetOutput(logits=logits, hidden=dict(zip(self.capture, hidden)), cache=cache)
 
 
 def freeze(model: nn.Module) -> nn.Module:
