@@ -169,6 +169,7 @@ def test_flex_training_on_cpu_is_a_one_line_error(target):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="flex attention has a backward on CUDA only")
 @pytest.mark.parametrize("cls", ["dflash", "dspark", "eagle3"])
 def test_flex_gradients_equal_sdpa_gradients_on_cuda(cls):
