@@ -27,18 +27,9 @@ from draftsmith.eval.drafter import GREEDY, Draft
 from draftsmith.eval.evaluate import EvalSettings, _run
 from draftsmith.models.target import build_tiny_target, is_static_cache, new_cache, target_forward
 
-VOCAB = 256
-NEW = 32
+from test_decoder import ARCHS, NEW, PROMPTS, VOCAB  # the decoder tests' tiny targets and prompts
+
 D = 6
-ARCHS = {
-    "llama": dict(arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2),
-    "qwen3": dict(arch="qwen3", num_layers=3, hidden_size=48, num_heads=4, num_kv_heads=1),
-}
-PROMPTS = [
-    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],  # repetitive: prompt lookup finds matches
-    [17, 200, 3, 45, 99, 180, 7, 64],
-    [250, 1, 33],
-]
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
