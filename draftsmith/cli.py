@@ -27,11 +27,18 @@ def _plan(args) -> None:
 
 def _eval(args) -> None:
     from draftsmith.eval.evaluate import EvalSettings, evaluate, print_summary
+    from draftsmith.recipe import EvalSection, load_recipe
 
+    # A recipe's `eval` section gives the defaults; flags on the command line win.
+    defaults = load_recipe(args.recipe).eval if args.recipe else EvalSection()
+    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
+    num_draft = pick(args.num_draft, defaults.num_draft)
     settings = EvalSettings(
-        dataset=args.dataset, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-        temperatures=args.temperature or [0.0], top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        num_draft=args.num_draft, tile=args.tile, prompt_chars=args.prompt_chars, drafters=args.drafter,
+        dataset=args.dataset, num_prompts=pick(args.num_prompts, defaults.num_prompts),
+        max_new_tokens=pick(args.max_new_tokens, defaults.max_new_tokens),
+        temperatures=args.temperature or [defaults.temperature], top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        num_draft=None if num_draft < 0 else num_draft, tile=args.tile, prompt_chars=args.prompt_chars,
+        drafters=args.drafter,
         cache=args.cache, compile=args.compile,
     )
     print_summary(evaluate(args.target, settings, args.out), args.out)
@@ -88,14 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NAME[:PATH], repeatable: ngram, draft_lm:RUN, mtp:RUN, eagle3:RUN, "
                         "eagle3_tree:RUN, dflash:RUN, dspark:RUN")
     p.add_argument("--dataset", default="embedded", help="a jsonl of turns/conversations/messages/prompt, or 'embedded'")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--recipe", default=None, help="take the defaults below from this recipe's eval section")
+    p.add_argument("--num-prompts", type=int, default=None, help="default 8 (eval.num_prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (eval.max_new_tokens)")
     p.add_argument("--temperature", type=float, action="append", default=None,
                    help="0 = greedy (checked token for token against plain decoding); repeat for one report each")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-draft", type=int, default=None, help="drafts per verify (default: the tile rule's D)")
+    p.add_argument("--num-draft", type=int, default=None,
+                   help="drafts per verify (default eval.num_draft; -1: the tile rule's D)")
     p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
     p.add_argument("--tile", type=int, default=128)
     p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",

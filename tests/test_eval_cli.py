@@ -89,3 +89,18 @@ def test_a_draft_model_with_another_vocabulary_is_refused(runs, tmp_path, capsys
                       train__max_steps=1, method__hidden_size=32, method__num_heads=2))
     assert main(eval_args(runs, tmp_path / "r", "--drafter", f"draft_lm:{other}")) == 2
     assert "must share the target's tokenizer" in capsys.readouterr().err
+
+
+def test_a_recipes_eval_section_gives_the_defaults_and_flags_win(runs, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("eval:\n  num_prompts: 1\n  max_new_tokens: 5\n  num_draft: 2\n")
+    out = tmp_path / "from_recipe"
+    assert main(["eval", "--target", str(runs / "mtp"), "--out", str(out), "--recipe", str(recipe),
+                 "--drafter", "ngram"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["num_prompts"] == 1 and report["settings"]["max_new_tokens"] == 5
+    assert report["target"]["D"] == 2
+    out2 = tmp_path / "flags_win"
+    assert main(["eval", "--target", str(runs / "mtp"), "--out", str(out2), "--recipe", str(recipe),
+                 "--drafter", "ngram", "--num-prompts", "2"]) == 0
+    assert json.loads((out2 / "report.json").read_text())["settings"]["num_prompts"] == 2
