@@ -18,7 +18,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.drafter import Draft, SamplingParams, TargetContext
-from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.eval.sampling import draw
 from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
 from draftsmith.models.dspark import DSparkDrafter
 
@@ -59,11 +59,8 @@ class DFlashDecodeDrafter:
     def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         if max_nodes <= 0:
             return Draft.empty(self.device)
-        logits = self.draft_block(max_nodes)[1][0]
-        if sampling.greedy:
-            return Draft(logits.argmax(-1))
-        probs = process_logits(logits, sampling)
-        return Draft(sample(probs, generator), None, probs)
+        tokens, probs = draw(self.draft_block(max_nodes)[1][0], sampling, generator)
+        return Draft(tokens, None, probs)
 
 
 class DSparkDecodeDrafter(DFlashDecodeDrafter):
@@ -87,11 +84,10 @@ class DSparkDecodeDrafter(DFlashDecodeDrafter):
         probs: list[torch.Tensor] = []
 
         def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
-            if sampling.greedy:
-                return logits.argmax(-1)
-            q = process_logits(logits, sampling)
-            probs.append(q)
-            return sample(q, generator)
+            token, q = draw(logits, sampling, generator)
+            if q is not None:
+                probs.append(q)
+            return token
 
         tokens, _, _ = self.drafter.refine(hidden, base, self.last, pick, self.refiner, self.threshold)
         self.proposals += 1

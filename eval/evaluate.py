@@ -14,7 +14,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
-from draftsmith.eval.drafter import SamplingParams
+from draftsmith.eval.drafter import NoDrafter, SamplingParams
 from draftsmith.eval.drafters import load_drafter, parse_spec
 from draftsmith.eval.report import format_table, speedup_bound, write_index, write_report
 from draftsmith.fsutil import atomic_dir
@@ -72,14 +72,13 @@ def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Te
     return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
-def _decode_all(decoder, prompts, settings, sampling, plain: bool, progress: str):
+def _decode_all(decoder, prompts, settings, sampling, progress: str):
     from tqdm.auto import tqdm
 
-    run = decoder.generate_plain if plain else decoder.generate
     stats, outputs = None, []
     for i, prompt in enumerate(tqdm(prompts, desc=progress, leave=False, dynamic_ncols=True)):
         generator = torch.Generator(device=decoder.device).manual_seed(settings.seed + i)
-        result = run(prompt, settings.max_new_tokens, sampling, generator)
+        result = decoder.generate(prompt, settings.max_new_tokens, sampling, generator)
         outputs.append(result.tokens.tolist())
         stats = result.stats if stats is None else stats.merge(result.stats)
     return stats, outputs
@@ -148,10 +147,10 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
         cache["max_cache_len"] = max(len(p) for p in prompts) + settings.max_new_tokens + num_draft
     # First calls pay one-off costs; with compile, CUDA graphs trace, then record, then replay.
     warm_ups = 3 if settings.compile else 1
-    baseline_decoder = SpeculativeDecoder(target, drafters[0], num_draft=num_draft, **cache)
+    baseline_decoder = SpeculativeDecoder(target, NoDrafter(), num_draft=0, **cache)
     for _ in range(warm_ups):
-        baseline_decoder.generate_plain(prompts[0][:8], 4)
-    base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, True, "plain decoding")
+        baseline_decoder.generate(prompts[0][:8], 4, sampling)
+    base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, "plain decoding")
     t_target = _per_pass_ms(base_stats, base_stats.verify_s)
     base_tps = _tokens_per_s(base_stats, base_out)
 
@@ -161,7 +160,7 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
         decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft, **cache)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)
-        stats, out = _decode_all(decoder, prompts, settings, sampling, False, f"{spec} t={sampling.temperature:g}")
+        stats, out = _decode_all(decoder, prompts, settings, sampling, f"{spec} t={sampling.temperature:g}")
         if sampling.greedy:
             for i, (mine, plain) in enumerate(zip(out, base_out)):
                 if mine != plain:

@@ -196,38 +196,33 @@ def test_flex_gradients_equal_sdpa_gradients_on_cuda(cls):
 
 # ---------------------------------------------------------------- gradient checkpointing
 
+def assert_checkpointing_changes_nothing(drafter, run_loss, min_grads: int) -> None:
+    """Loss, metrics and every gradient bit-identical with checkpointing off and on."""
+    results = []
+    for enabled in (False, True):
+        drafter.zero_grad(set_to_none=True)
+        drafter.gradient_checkpointing = enabled
+        loss, metrics = run_loss()
+        loss.backward()
+        results.append((loss.detach(), metrics, grads(drafter)))
+    (plain, plain_metrics, plain_grads), (ckpt, ckpt_metrics, ckpt_grads) = results
+    assert torch.equal(ckpt, plain) and ckpt_metrics == plain_metrics
+    assert ckpt_grads.keys() == plain_grads.keys() and len(plain_grads) > min_grads
+    assert all(torch.equal(ckpt_grads[n], plain_grads[n]) for n in plain_grads)
+
+
 @pytest.mark.parametrize("cls", ["dflash", "dspark"])
 def test_gradient_checkpointing_changes_nothing_in_block_drafters(target, cls):
     torch.manual_seed(0)
     drafter = block_drafter(target, cls).train()
     batch = block_batch(target, drafter)
-    results = []
-    for enabled in (False, True):
-        drafter.zero_grad(set_to_none=True)
-        drafter.gradient_checkpointing = enabled
-        loss, metrics = block_loss(drafter, target, batch)
-        loss.backward()
-        results.append((loss.detach(), metrics, grads(drafter)))
-    (plain, plain_metrics, plain_grads), (ckpt, ckpt_metrics, ckpt_grads) = results
-    assert torch.equal(ckpt, plain) and ckpt_metrics == plain_metrics
-    assert ckpt_grads.keys() == plain_grads.keys() and len(plain_grads) > 20
-    assert all(torch.equal(ckpt_grads[n], plain_grads[n]) for n in plain_grads)
+    assert_checkpointing_changes_nothing(drafter, lambda: block_loss(drafter, target, batch), min_grads=20)
 
 
 def test_gradient_checkpointing_changes_nothing_in_ttt(target):
     drafter = eagle3_drafter(target).train()
     batch = eagle3_batch(target, drafter)
-    results = []
-    for enabled in (False, True):
-        drafter.zero_grad(set_to_none=True)
-        drafter.gradient_checkpointing = enabled
-        loss, metrics = drafter.loss(*batch)
-        loss.backward()
-        results.append((loss.detach(), metrics, grads(drafter)))
-    (plain, plain_metrics, plain_grads), (ckpt, ckpt_metrics, ckpt_grads) = results
-    assert torch.equal(ckpt, plain) and ckpt_metrics == plain_metrics
-    assert ckpt_grads.keys() == plain_grads.keys() and len(plain_grads) > 8
-    assert all(torch.equal(ckpt_grads[n], plain_grads[n]) for n in plain_grads)
+    assert_checkpointing_changes_nothing(drafter, lambda: drafter.loss(*batch), min_grads=8)
 
 
 def test_checkpointing_stores_fewer_activations(target):
