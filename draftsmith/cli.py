@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.registry import METHODS, export_formats, posthoc, proposer_names
 
 
 def _train(args) -> None:
@@ -20,7 +21,7 @@ def _train(args) -> None:
 
 
 def _plan(args) -> None:
-    from draftsmith.eval.tile import plan_command
+    from draftsmith.models.tile import plan_command
 
     print(plan_command(args.target, args.tile, args.tp))
 
@@ -92,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
     p.add_argument("--target", required=True, help="the target: a model folder or a training run folder")
     p.add_argument("--drafter", action="append", required=True, metavar="SPEC",
-                   help="NAME[:PATH], repeatable: ngram, draft_lm:RUN, mtp:RUN, eagle3:RUN, "
-                        "eagle3_tree:RUN, dflash:RUN, dspark:RUN")
+                   help="NAME[:PATH], repeatable: " + ", ".join(
+                       name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items()))
     p.add_argument("--dataset", default="embedded", help="a jsonl of turns/conversations/messages/prompt, or 'embedded'")
     p.add_argument("--recipe", default=None, help="take the defaults below from this recipe's eval section")
     p.add_argument("--num-prompts", type=int, default=None, help="default 8 (eval.num_prompts)")
@@ -116,8 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a trained drafter in a serving engine's layout")
     p.add_argument("run_dir", metavar="RUN", help="a training run folder (or its model/ folder)")
-    p.add_argument("--format", required=True, choices=["sglang", "vllm", "native", "zlab", "dspark"],
-                   help="sglang|vllm|native for EAGLE-3; zlab|native for DFlash; dspark|native for DSpark")
+    p.add_argument("--format", required=True, choices=export_formats(),
+                   help="; ".join(f"{'|'.join(s.exports)} for {s.name}" for s in METHODS.values() if s.exports))
     p.add_argument("--out", required=True, help="the folder to write (whole or not at all)")
     p.set_defaults(handler=_export)
 
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=None, help="the recipe the cache is for (its data, seq_len, seed, method)")
     p.add_argument("--target", default=None, help="target.path: a model folder or a training run folder")
     p.add_argument("--dataset", default=None, help="data.dataset: a conversations file or 'embedded'")
-    p.add_argument("--method", default=None, choices=["eagle3", "dflash", "dspark"], help="method.name")
+    p.add_argument("--method", default=None, choices=posthoc(), help="method.name")
     p.add_argument("--out", required=True, help="the cache folder (a rerun resumes it)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per target forward")
     p.add_argument("--shard-rows", type=int, default=0, help="rows per shard file (default: about 1 GB each)")

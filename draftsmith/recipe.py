@@ -9,7 +9,6 @@ hyperparameters live beside its module in `models/`, one source of truth).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,17 +18,7 @@ from typing import Any, Union
 import yaml
 
 from draftsmith.errors import DraftsmithError
-
-# method name -> (module, config class). Imported lazily so that parsing a recipe never
-# pulls in a drafter it does not use.
-METHODS: dict[str, tuple[str, str]] = {
-    "mtp": ("draftsmith.models.mtp", "MTPConfig"),
-    "draft_lm": ("draftsmith.models.draft_lm", "DraftLMConfig"),
-    "eagle3": ("draftsmith.models.eagle3", "Eagle3Config"),
-    "dflash": ("draftsmith.models.dflash", "DFlashConfig"),
-    "dspark": ("draftsmith.models.dspark", "DSparkConfig"),
-}
-
+from draftsmith.registry import config_class
 
 @dataclass
 class TargetSection:
@@ -126,10 +115,7 @@ class Recipe:
 
 
 def method_config_class(name: str) -> type:
-    if name not in METHODS:
-        raise DraftsmithError(f"method.name: unknown method {name!r} (known: {', '.join(METHODS)})")
-    module, cls = METHODS[name]
-    return getattr(importlib.import_module(module), cls)
+    return config_class(name)
 
 
 # ---------------------------------------------------------------- typed conversion

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.drafter import GREEDY, Drafter, NoDrafter, SamplingParams, TargetContext
+from draftsmith.eval.proposers.base import GREEDY, Proposer, NoProposer, SamplingParams, TargetContext
 from draftsmith.eval.sampling import (
     accept_chain_greedy,
     accept_chain_sampled,
@@ -40,7 +40,7 @@ from draftsmith.eval.sampling import (
     next_token,
     process_logits,
 )
-from draftsmith.eval.tile import plan_tile
+from draftsmith.models.tile import plan_tile
 from draftsmith.models.target import (
     CompiledVerify,
     cache_length,
@@ -217,7 +217,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target,
-        drafter: Drafter,
+        drafter: Proposer,
         num_draft: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         *,
@@ -280,7 +280,7 @@ class SpeculativeDecoder:
         """Plain autoregressive decoding through the same cache code (tau = 1 exactly);
         its verify time per pass is T_target."""
         if self._plain is None:
-            self._plain = SpeculativeDecoder(self.target, NoDrafter(), num_draft=0, eos_token_id=tuple(self.eos),
+            self._plain = SpeculativeDecoder(self.target, NoProposer(), num_draft=0, eos_token_id=tuple(self.eos),
                                              cache=self.cache_kind, max_cache_len=self.max_cache_len,
                                              compile=self.compile)
         return self._plain.generate(prompt_ids, max_new_tokens, sampling, generator)

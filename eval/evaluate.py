@@ -14,11 +14,11 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
-from draftsmith.eval.drafter import NoDrafter, SamplingParams
-from draftsmith.eval.drafters import load_drafter, parse_spec
+from draftsmith.eval.proposers.base import NoProposer, SamplingParams
+from draftsmith.eval.proposers import parse_spec, proposer_from_spec
 from draftsmith.eval.report import format_table, speedup_bound, write_index, write_report
 from draftsmith.fsutil import atomic_dir
-from draftsmith.eval.tile import plan_tile, read_target_config
+from draftsmith.models.tile import plan_tile, read_target_config
 from draftsmith.models.target import resolve_model_dir
 
 
@@ -37,13 +37,6 @@ class EvalSettings:
     drafters: list[str] = field(default_factory=list)
     cache: str = "dynamic"  # the target's KV cache: "dynamic" or "static"
     compile: bool = False  # the verify forward under torch.compile (CUDA graphs on CUDA); static cache only
-
-
-def target_dir(path: str | Path) -> Path:
-    folder = Path(resolve_model_dir(path))
-    if not (folder / "config.json").is_file():
-        raise DraftsmithError(f"target {path}: no config.json (a model folder or a training run folder)")
-    return folder
 
 
 def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Tensor]:
@@ -110,14 +103,14 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
         parse_spec(spec)
     for t in settings.temperatures:
         SamplingParams(t, settings.top_k, settings.top_p)  # validates
-    folder = target_dir(target_path)
+    folder = resolve_model_dir(target_path, require="target")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = freeze(AutoModelForCausalLM.from_pretrained(str(folder)).to(device))
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     plan = plan_tile(read_target_config(folder), tile=settings.tile)
     num_draft = plan.D if settings.num_draft is None else settings.num_draft
     prompts = prompt_ids(tokenizer, settings, target.config.max_position_embeddings)
-    drafters = [load_drafter(spec, target) for spec in settings.drafters]  # fail before any decoding
+    drafters = [proposer_from_spec(spec, target) for spec in settings.drafters]  # fail before any decoding
 
     runs = []
     for temperature in settings.temperatures:
@@ -147,7 +140,7 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
         cache["max_cache_len"] = max(len(p) for p in prompts) + settings.max_new_tokens + num_draft
     # First calls pay one-off costs; with compile, CUDA graphs trace, then record, then replay.
     warm_ups = 3 if settings.compile else 1
-    baseline_decoder = SpeculativeDecoder(target, NoDrafter(), num_draft=0, **cache)
+    baseline_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **cache)
     for _ in range(warm_ups):
         baseline_decoder.generate(prompts[0][:8], 4, sampling)
     base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, "plain decoding")

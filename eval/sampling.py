@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.drafter import SamplingParams
+from draftsmith.eval.proposers.base import SamplingParams
 
 
 def process_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -36,6 +36,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.native import load_state_strict
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
 from draftsmith.models.tile import plan_tile
 
@@ -268,6 +269,8 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Parameter names follow the z-lab reference (layers.i.*, fc, hidden_norm, norm)."""
 
+    method = "dflash"
+
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config.resolve()
@@ -282,6 +285,17 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):  # the transformers initialisation (std 0.02)
                 nn.init.normal_(module.weight, std=0.02)
+
+    def native_state(self) -> dict[str, torch.Tensor]:
+        return self.state_dict()  # no embedding or head of its own: the state is the file
+
+    @classmethod
+    def from_native(cls, config, state: dict, target=None, source: str = "") -> "DFlashDrafter":
+        """The module from stored weights (any of our layouts); `target` is not needed."""
+        # The saved dtype is the compute dtype: reloading bf16 weights into float32 would change the drafts.
+        drafter = cls(config).to(state["fc.weight"].dtype if "fc.weight" in state else torch.float32)
+        load_state_strict(drafter, state, source=source)
+        return drafter
 
     @property
     def first_prediction_slot(self) -> int:

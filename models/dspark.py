@@ -102,6 +102,8 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(DFlashDrafter):
+    method = "dspark"
+
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,9 +38,7 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
-from draftsmith.models.native import (
-    config_from_dict, load_native_weights, load_state_strict, read_native_meta, save_native,
-)
+from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
 
 METHOD = "eagle3"
@@ -271,6 +268,8 @@ class DraftKV:
 
 
 class Eagle3Drafter(nn.Module):
+    method = METHOD
+
     def __init__(self, config: Eagle3Config):
         super().__init__()
         self.config = c = config.resolve()
@@ -285,6 +284,22 @@ class Eagle3Drafter(nn.Module):
         # Until a vocabulary is built: the first draft_vocab_size target ids.
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
+
+    def native_state(self) -> dict[str, torch.Tensor]:
+        """What the native format stores: everything but the embedding (the target's)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    @classmethod
+    def from_native(cls, config: Eagle3Config, state: dict, target: nn.Module, source: str) -> "Eagle3Drafter":
+        """Build a drafter from stored weights (no embedding) in their dtype, for `target`."""
+        check_target_fits(config, target)
+        drafter = cls(config)
+        if "fc.weight" in state:
+            drafter.to(state["fc.weight"].dtype)
+        # The embedding is not stored: a stand-in passes the strict check, the target's replaces it.
+        load_state_strict(drafter, {**state, "embed_tokens.weight": drafter.embed_tokens.weight}, source=source)
+        drafter.set_draft_vocab(drafter.d2t.clone(), drafter.t2d.clone())  # refuse inconsistent maps
+        return drafter.to(next(target.parameters()).device).copy_target_embedding(target).eval()
 
     @classmethod
     def from_target(cls, target: nn.Module, **overrides) -> "Eagle3Drafter":
@@ -466,29 +481,4 @@ def tau_estimate(accs: list[float]) -> float:
     return tau
 
 
-# ---- native format -----------------------------------------------------------------------
-
-
-def save_eagle3(drafter: Eagle3Drafter, out_dir: str | Path, extra: dict | None = None) -> Path:
-    """Native format; the embedding is the target's and is not stored."""
-    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("embed_tokens.")}
-    return save_native(out_dir, METHOD, drafter.config, state, extra)
-
-
-def load_eagle3(path: str | Path, target: nn.Module) -> Eagle3Drafter:
-    """A native EAGLE-3 drafter, on the target's device, embedding copied from `target`."""
-    meta = read_native_meta(path, expect_method=METHOD)
-    config = config_from_dict(Eagle3Config, meta["config"], source=f"{path}/config.json")
-    return drafter_from_state(config, load_native_weights(path), target, source=str(path))
-
-
-def drafter_from_state(config: Eagle3Config, state: dict, target: nn.Module, source: str) -> Eagle3Drafter:
-    """Build a drafter from stored weights (no embedding) in their dtype, for `target`."""
-    check_target_fits(config, target)
-    drafter = Eagle3Drafter(config)
-    if "fc.weight" in state:
-        drafter.to(state["fc.weight"].dtype)
-    # The embedding is not stored: a stand-in passes the strict check, the target's replaces it.
-    load_state_strict(drafter, {**state, "embed_tokens.weight": drafter.embed_tokens.weight}, source=source)
-    drafter.set_draft_vocab(drafter.d2t.clone(), drafter.t2d.clone())  # refuse inconsistent maps
-    return drafter.to(next(target.parameters()).device).copy_target_embedding(target).eval()
+# ---- native format: models/native.py (save_drafter / load_drafter) ------------------------

@@ -38,9 +38,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
-from draftsmith.models.native import (
-    config_from_dict, load_native_weights, load_state_strict, read_native_meta, save_native,
-)
+from draftsmith.models.native import load_drafter, load_native_weights
 
 DFLASH_ARCH = "DFlashDraftModel"
 DSPARK_ARCH = "DSparkDraftModel"
@@ -48,6 +46,16 @@ _KINDS = {DFLASH_ARCH: ("DFlash", "load_dflash_zlab"), DSPARK_ARCH: ("DSpark", "
 
 
 # ---------------------------------------------------------------- writing
+
+def export_zlab(folder: str | Path, out_dir: str | Path) -> Path:
+    """A native DFlash folder in the z-lab layout (`draftsmith export --format zlab`)."""
+    return export_dflash_zlab(load_drafter(folder, "dflash"), out_dir)
+
+
+def export_dspark_folder(folder: str | Path, out_dir: str | Path) -> Path:
+    """A native DSpark folder in the DSpark layout (`draftsmith export --format dspark`)."""
+    return export_dspark(load_drafter(folder, "dspark"), out_dir)
+
 
 def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     if isinstance(drafter, DSparkDrafter):
@@ -107,7 +115,7 @@ def _write(out_dir, config: dict, drafter: DFlashDrafter) -> Path:
 
 def load_dflash_zlab(path: str | Path) -> DFlashDrafter:
     meta, weights = _read(path, DFLASH_ARCH)
-    return _build(DFlashDrafter, DFlashConfig(**_backbone_fields(meta, path)), weights, path)
+    return DFlashDrafter.from_native(DFlashConfig(**_backbone_fields(meta, path)), weights, source=str(path))
 
 
 def load_dspark(path: str | Path) -> DSparkDrafter:
@@ -126,7 +134,7 @@ def load_dspark(path: str | Path) -> DSparkDrafter:
         block_convention=convention, num_anchors=meta.get("num_anchors", DSparkConfig.num_anchors),
         confidence_threshold=extra.get("confidence_threshold", DSparkConfig.confidence_threshold),
     )
-    return _build(DSparkDrafter, config, weights, path)
+    return DSparkDrafter.from_native(config, weights, source=str(path))
 
 
 def _read(path, arch: str) -> tuple[dict, dict]:
@@ -136,7 +144,7 @@ def _read(path, arch: str) -> tuple[dict, dict]:
     if found != arch:
         if meta.get("format") == "draftsmith":
             raise DraftsmithError(
-                f"{path} is a draftsmith native {meta.get('method')} drafter; load it with load_native_drafter"
+                f"{path} is a draftsmith native {meta.get('method')} drafter; load it with models.native.load_drafter"
             )
         if found in _KINDS:
             kind, loader = _KINDS[found]
@@ -173,31 +181,9 @@ def _backbone_fields(meta: dict, path) -> dict:
     )
 
 
-def _build(cls, config, weights: dict, path):
-    # The saved dtype is the compute dtype: reloading bf16 weights into float32 would change the drafts.
-    drafter = cls(config).to(weights["fc.weight"].dtype if "fc.weight" in weights else torch.float32)
-    load_state_strict(drafter, weights, source=str(path))
-    return drafter
-
-
 def load_block_drafter(path: str | Path, method: str = "dflash") -> DFlashDrafter:
     """A DFlash or DSpark drafter from any of our formats, told apart by config.json; a
     checkpoint of the other method is refused in one line."""
     if read_json(Path(path) / "config.json").get("format") == "draftsmith":
-        return load_native_drafter(path, method)
+        return load_drafter(path, method)
     return load_dspark(path) if method == "dspark" else load_dflash_zlab(path)
-
-
-# ---------------------------------------------------------------- native
-
-def save_native_drafter(drafter: DFlashDrafter, out_dir: str | Path, extra: dict | None = None) -> Path:
-    method = "dspark" if isinstance(drafter, DSparkDrafter) else "dflash"
-    return save_native(out_dir, method, drafter.config, drafter.state_dict(), extra)
-
-
-def load_native_drafter(path: str | Path, method: str = "dflash") -> DFlashDrafter:
-    """`method` is what the caller expects; a checkpoint of the other one is refused."""
-    meta = read_native_meta(path, expect_method=method)
-    config_cls, cls = (DSparkConfig, DSparkDrafter) if method == "dspark" else (DFlashConfig, DFlashDrafter)
-    config = config_from_dict(config_cls, meta["config"], source=f"{path}/config.json")
-    return _build(cls, config, load_native_weights(path), path)

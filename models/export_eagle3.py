@@ -32,7 +32,7 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models.eagle3 import (
-    METHOD, Eagle3Config, Eagle3Drafter, default_layer_ids, drafter_from_state,
+    METHOD, Eagle3Config, Eagle3Drafter, default_layer_ids,
 )
 from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
 from draftsmith.models.target import resolve_model_dir, target_shape
@@ -97,6 +97,14 @@ def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Pat
     return out_dir
 
 
+def export_sglang(folder: str | Path, out_dir: str | Path) -> Path:
+    return export_eagle3(folder, out_dir, "sglang")
+
+
+def export_vllm(folder: str | Path, out_dir: str | Path) -> Path:
+    return export_eagle3(folder, out_dir, "vllm")
+
+
 def _layer_ids(cfg: dict, num_target_layers: int, source: str) -> list[int]:
     """Our ids from either engine's key; both present must agree."""
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -154,4 +162,4 @@ def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
         t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
         t2d[torch.arange(config.draft_vocab_size) + state["d2t"]] = True
         state["t2d"] = t2d
-    return drafter_from_state(config, state, target, source=str(path))
+    return Eagle3Drafter.from_native(config, state, target, source=str(path))

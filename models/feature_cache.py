@@ -43,8 +43,11 @@ ROWS = "rows.safetensors"
 
 def local_model_dir(path: str | Path) -> Path:
     """The folder holding a model's files (a hub name resolves to its download)."""
-    if Path(path).is_dir():
-        return Path(path)
+    from draftsmith.models.target import resolve_model_dir
+
+    local = resolve_model_dir(path)
+    if isinstance(local, Path) and local.is_dir():
+        return local
     from huggingface_hub import snapshot_download
 
     try:

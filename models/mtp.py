@@ -21,7 +21,11 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import cache_kwarg, decoder_layers
+
+MTP_DIR = "mtp"  # the MTP modules sit in this subfolder of the saved target
 
 
 @dataclass
@@ -82,20 +86,23 @@ class MTPLayer(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-class MTPHeads(nn.Module):
+class MTPDrafter(nn.Module):
     """K MTP layers for a given target; layer k-1 serves depth k. Each block is built as
     the target's last layer (same attention type: full, not sliding); exports renumber
     them after the main layers, as DeepSeek-V3 stores them."""
 
+    method = "mtp"
+
     def __init__(self, target_config, num_depths: int, layer_class: type):
         super().__init__()
+        self.config = MTPConfig(num_depths=num_depths)
         n = target_config.num_hidden_layers
         self.layers = nn.ModuleList(
             MTPLayer(target_config, layer_class, layer_idx=n - 1) for _ in range(num_depths)
         )
 
     @classmethod
-    def for_target(cls, target: nn.Module, num_depths: int) -> "MTPHeads":
+    def for_target(cls, target: nn.Module, num_depths: int) -> "MTPDrafter":
         heads = cls(target.config, num_depths, type(decoder_layers(target)[0]))
         dtype = next(target.parameters()).dtype
         return heads.to(dtype)
@@ -104,8 +111,44 @@ class MTPHeads(nn.Module):
     def num_depths(self) -> int:
         return len(self.layers)
 
+    def native_state(self) -> dict[str, torch.Tensor]:
+        return deepseek_names(self.state_dict())
 
-def mtp_forward(heads: MTPHeads, target: nn.Module, input_ids: torch.Tensor,
+    @classmethod
+    def from_native(cls, config: MTPConfig, state: dict, target: nn.Module, source: str) -> "MTPDrafter":
+        heads = cls.for_target(target, config.num_depths)
+        heads.config = config
+        load_state_strict(heads, from_deepseek_names(state), source=source)  # a target of other sizes fails here
+        return heads.to(next(target.parameters()).device)
+
+
+def mtp_dir(target_dir) -> "Path":
+    """TARGET/mtp, where the MTP modules are saved beside the target they extend."""
+    from pathlib import Path
+
+    folder = Path(target_dir) / MTP_DIR
+    if not folder.is_dir():
+        raise DraftsmithError(f"{target_dir} has no MTP modules (expected a {MTP_DIR}/ folder from the mtp recipe)")
+    return folder
+
+
+def deepseek_names(state: dict) -> dict:
+    """Our nested names -> DeepSeek-V3's flat ones: `layers.k.block.self_attn...` becomes
+    `layers.k.self_attn...`, beside `layers.k.{enorm,hnorm,eh_proj,shared_head.norm}`.
+    `shared_head.head` and `embed_tokens` are the target's and are not repeated."""
+    return {name.replace(".block.", "."): t for name, t in state.items()}
+
+
+def from_deepseek_names(state: dict) -> dict:
+    own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+    out = {}
+    for name, t in state.items():
+        prefix, k, rest = name.split(".", 2)
+        out[name if rest.startswith(own) else f"{prefix}.{k}.block.{rest}"] = t
+    return out
+
+
+def mtp_forward(heads: MTPDrafter, target: nn.Module, input_ids: torch.Tensor,
                 last_hidden: torch.Tensor) -> list[torch.Tensor]:
     """Training forward over whole sequences: the logits of every depth.
 

@@ -2,7 +2,10 @@
 
 config.json holds `{"format": "draftsmith", "method": NAME, "config": {DrafterConfig fields}}`
 plus whatever provenance the caller adds (target path, layer ids, draft vocabulary size).
-Conversions to engine layouts live in `models/export.py`, never here or in the models.
+`save_drafter` / `load_drafter` are the one way every method's trained module is written
+and read back: a module class names its `method`, says what it stores (`native_state`)
+and rebuilds itself from that (`from_native`); the registry maps a method to its classes.
+Conversions to engine layouts live in `models/export*.py`, never here or in the models.
 """
 
 from __future__ import annotations
@@ -88,3 +91,19 @@ def load_state_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], s
                 f"{source}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
             )
     module.load_state_dict(state, strict=True)
+
+
+def save_drafter(drafter: torch.nn.Module, out_dir: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """A trained drafter module in the native format (atomically)."""
+    return save_native(out_dir, drafter.method, drafter.config, drafter.native_state(), extra)
+
+
+def load_drafter(path: str | Path, method: str, target: torch.nn.Module | None = None):
+    """A native drafter of `method` (a folder of another method is refused, naming it),
+    rebuilt for `target` where the module shares the target's weights."""
+    from draftsmith.registry import method_spec, resolve
+
+    meta = read_native_meta(path, expect_method=method)
+    spec = method_spec(method, "model")
+    config = config_from_dict(resolve(spec.config, method), meta["config"], source=f"{path}/config.json")
+    return resolve(spec.model, method).from_native(config, load_native_weights(path), target, source=str(path))

@@ -357,12 +357,17 @@ def build_tiny_target(seed: int = 0, **config_kwargs) -> nn.Module:
     return model
 
 
-def resolve_model_dir(path: str | Path) -> Path | str:
-    """A training run folder stands for the model it wrote (RUN/model); a hub name stays."""
+def resolve_model_dir(path: str | Path, require: str = "") -> Path | str:
+    """The one place a path on the command line becomes a model folder: a training run
+    folder stands for the model it wrote (RUN/model), a model folder for itself, and a
+    name that is no local path stays a string (a hub name). With `require` (what the path
+    is for, e.g. "target"), it must be a local folder with a config.json."""
     local = Path(path)
     if (local / "model" / "config.json").is_file():
         return local / "model"
-    return local if local.exists() else str(path)
+    if require and not (local / "config.json").is_file():
+        raise DraftsmithError(f"{require} {path}: no config.json (a model folder or a training run folder)")
+    return local if local.exists() or require else str(path)
 
 
 def load_target(path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,

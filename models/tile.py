@@ -1,18 +1,24 @@
-"""The tile rule (DESIGN.md section 3), in one place for every part that sizes a draft.
+"""The tile rule (docs/design.md section 3) and the planner built on it, in one place for
+every part that sizes a draft.
 
-Verify kernels pack the G query heads that share a KV head with the 1 + D query tokens
-into the rows of one tile, so one tile holds the verify while G * (1 + D) <= T:
+Verify attention kernels (FlashAttention-3/4, FlashInfer, FlashMLA) pack the `G` query
+heads that share a KV head together with the `1 + D` query tokens into the rows of one
+tile. While `G * (1 + D) <= T` the verify pass walks the KV cache once, as plain decoding
+does; one row more and a second tile walks it again. So the draft budget is
 
     D = max(0, T // G - 1)
 
-The planner built on it (tables, reading configs, the CLI) is `eval/tile.py`.
+and for a draft tree the node count, root included, takes the place of `1 + D`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import read_json
 
 # GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`.
 _HEAD_KEYS = ("num_attention_heads", "n_head")
@@ -66,3 +72,105 @@ def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
         raise DraftsmithError(f"num_key_value_heads {kv} does not split over tp {tp}")
     group = (heads // tp) // max(1, kv // tp)
     return TilePlan(H=heads, KV=kv, G=group, tile=tile, tp=tp, D=max(0, tile // group - 1), mla=mla)
+
+
+# ---------------------------------------------------------------- the planner
+
+# Row counts of the verify tiles in use: FlashMLA 64; FA3 (head_dim 128/256), FA4 and
+# FlashInfer 128; FA3 at head_dim <= 96 192; 256 on the widest configurations.
+COMMON_TILES = (64, 128, 192, 256)
+
+def read_target_config(spec: str | Path) -> dict:
+    """The attention fields of a target: `spec` is a model folder, a config.json, or a hub
+    name already in the local Hugging Face cache (never downloaded)."""
+    path = Path(spec)
+    if path.is_dir():
+        config = read_json(path / "config.json")
+    elif path.is_file():
+        config = read_json(path)
+    else:
+        config = _cached_hub_config(str(spec))
+    if not isinstance(config, dict):
+        raise DraftsmithError(f"{spec}: config is not a JSON object")
+    # Multimodal configs (Llava, Gemma 3, Llama 4, ...) keep the language model's
+    # attention fields under `text_config`.
+    if not has_heads(config) and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    if not has_heads(config):
+        raise DraftsmithError(
+            f"{spec}: config has no num_attention_heads (nor text_config.num_attention_heads)"
+        )
+    return config
+
+
+def _cached_hub_config(name: str) -> dict:
+    from huggingface_hub import try_to_load_from_cache
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
+    except (OSError, ValueError, KeyError) as exc:
+        # Models with remote code (Kimi-K2, ...) have a model_type transformers does not
+        # know, but their cached config.json has every field the plan needs.
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            return read_json(cached)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DraftsmithError(
+            f"{name}: not a model folder or config.json, and not loadable from the local "
+            f"Hugging Face cache ({reason})"
+        ) from None
+
+
+def tree_budget(plan: TilePlan) -> int:
+    """Tree nodes, root included, that fit one tile (the root always exists)."""
+    return max(1, plan.tile // plan.G)
+
+
+def rows_used(plan: TilePlan, num_draft: int) -> int:
+    return plan.G * (1 + num_draft)
+
+
+def tiles_launched(plan: TilePlan, num_draft: int) -> int:
+    return math.ceil(rows_used(plan, num_draft) / plan.tile)
+
+
+def fitting_tile(group: int) -> int:
+    """The smallest common tile with room for one draft (2G rows), else 2G itself."""
+    return next((t for t in COMMON_TILES if t >= 2 * group), 2 * group)
+
+
+def format_plan(plan: TilePlan) -> str:
+    kv_kind = " (multi-latent attention: one latent KV for all heads)" if plan.mla else ""
+    lines = [f"heads  H = {plan.H} query, KV = {plan.KV}{kv_kind}"]
+    if plan.tp > 1:
+        kv_per_rank = max(1, plan.KV // plan.tp)
+        lines.append(f"tp     {plan.tp}: {plan.H // plan.tp} query and {kv_per_rank} KV heads per rank")
+    lines += [f"G      {plan.G}", f"tile   T = {plan.tile} rows"]
+    if plan.D == 0:
+        lines.append(
+            f"D      0, no room for drafts: the root token alone fills G = {plan.G} rows and "
+            f"the tile has {plan.tile}; a tile of {fitting_tile(plan.G)} rows would fit one draft."
+        )
+    else:
+        nodes = tree_budget(plan)
+        lines.append(f"D      {plan.D} drafts in a chain, or a tree of {nodes} nodes with the root")
+    lines += [
+        "",
+        "G is the group size (query heads per KV head) that the verify kernel packs, with the "
+        "query tokens, into the rows of one tile.",
+        "",
+        "| drafts | rows G*(1+d) | tiles |",
+        "|---:|---:|---:|",
+    ]
+    around = range(max(0, plan.D - 2), plan.D + 3)
+    for d in sorted({*around, 2 * plan.D + 1}):
+        label = f"{d} = D" if d == plan.D else str(d)
+        lines.append(f"| {label} | {rows_used(plan, d)} | {tiles_launched(plan, d)} |")
+    return "\n".join(lines)
+
+
+def plan_command(target: str, tile: int, tp: int) -> str:
+    """What `draftsmith plan` prints for one target."""
+    plan = plan_tile(read_target_config(target), tile=tile, tp=tp)
+    return f"target {target}\n{format_plan(plan)}"

@@ -29,9 +29,9 @@ import time
 import torch
 
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
-from draftsmith.eval.draft_lm import DraftModelDrafter
-from draftsmith.eval.draft_ngram import NgramDrafter
-from draftsmith.eval.drafter import NoDrafter
+from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+from draftsmith.eval.proposers.ngram import NgramProposer
+from draftsmith.eval.proposers.base import NoProposer
 from draftsmith.models.target import build_tiny_target, decoder_layers, freeze, load_target
 
 
@@ -153,10 +153,10 @@ def main(argv=None) -> int:
     counter = ForwardCounter(target)
 
     ours = {
-        "plain": lambda: SpeculativeDecoder(target, NoDrafter(), num_draft=0),
-        "prompt lookup": lambda: SpeculativeDecoder(target, NgramDrafter(max_ngram=4), num_draft=D),
-        "lookup, hf way": lambda: SpeculativeDecoder(target, NgramDrafter(4, latest=False, extend=False), num_draft=D),
-        "draft model": lambda: SpeculativeDecoder(target, DraftModelDrafter(draft, target), num_draft=D),
+        "plain": lambda: SpeculativeDecoder(target, NoProposer(), num_draft=0),
+        "prompt lookup": lambda: SpeculativeDecoder(target, NgramProposer(max_ngram=4), num_draft=D),
+        "lookup, hf way": lambda: SpeculativeDecoder(target, NgramProposer(4, latest=False, extend=False), num_draft=D),
+        "draft model": lambda: SpeculativeDecoder(target, DraftLMProposer(draft, target), num_draft=D),
     }
     theirs = {
         "plain": {},

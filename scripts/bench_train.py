@@ -53,7 +53,9 @@ from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.models.target import decoder_layers, freeze, target_forward, tiny_config
 
-METHODS = ("eagle3", "dflash", "dspark")
+from draftsmith.registry import posthoc
+
+METHODS = tuple(posthoc())  # the methods trained on target features
 PRESETS = {
     "cpu": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=None, vocab=8192, draft_vocab=4096,
                 seq=256, batch=2, anchors=64, dflash_layers=None, project_layers=0),

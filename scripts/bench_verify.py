@@ -278,11 +278,11 @@ def truncated_twin(target, layers: int):
 
 
 def build_drafters(target, attn: str) -> dict:
-    from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, DSparkDecodeDrafter
-    from draftsmith.eval.draft_eagle3 import Eagle3Proposer
-    from draftsmith.eval.draft_lm import DraftModelDrafter
-    from draftsmith.eval.draft_ngram import NgramDrafter
-    from draftsmith.eval.draft_oracle import OracleDrafter
+    from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer
+    from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+    from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+    from draftsmith.eval.proposers.ngram import NgramProposer
+    from draftsmith.eval.proposers.oracle import OracleProposer
     from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
     from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
     from draftsmith.models.eagle3 import Eagle3Drafter
@@ -294,12 +294,12 @@ def build_drafters(target, attn: str) -> dict:
         dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
         dspark = DSparkDrafter(DSparkConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
     drafters = {
-        "ngram": NgramDrafter(),
-        "draft_lm": DraftModelDrafter(truncated_twin(target, 2), target, name="draft_lm"),
-        "oracle": OracleDrafter(target),
+        "ngram": NgramProposer(),
+        "draft_lm": DraftLMProposer(truncated_twin(target, 2), target, name="draft_lm"),
+        "oracle": OracleProposer(target),
         "eagle3": Eagle3Proposer(eagle3, mode="chain", name="eagle3"),
-        "dflash": DFlashDecodeDrafter(dflash, target),
-        "dspark": DSparkDecodeDrafter(dspark, target),
+        "dflash": DFlashProposer(dflash, target),
+        "dspark": DSparkProposer(dspark, target),
     }
     if "flash" not in attn:  # tree verifies need a 4D mask, which flash-attn ignores (the decoder refuses)
         drafters["eagle3_tree"] = Eagle3Proposer(eagle3, mode="tree", name="eagle3_tree")
@@ -310,10 +310,10 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     """Every drafter against plain decoding of the same target and prompts, in one run,
     through eval/evaluate.py's decode loop and eval/report.py's report."""
     from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.drafter import GREEDY, NoDrafter
+    from draftsmith.eval.proposers.base import GREEDY, NoProposer
     from draftsmith.eval.evaluate import EvalSettings, _decode_all, _per_pass_ms, _tokens_per_s
     from draftsmith.eval.report import speedup_bound, write_report
-    from draftsmith.eval.tile import plan_tile
+    from draftsmith.models.tile import plan_tile
 
     config = target.config
     plan = plan_tile(config.to_dict(), tile=args.tile)
@@ -321,7 +321,7 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     prompts = [torch.randint(3, config.vocab_size - 1, (int(torch.randint(32, 96, (1,), generator=gen)),),
                              generator=gen) for _ in range(args.prompts)]
     settings = EvalSettings(dataset="random tokens", num_prompts=len(prompts), max_new_tokens=args.new_tokens, seed=0)
-    plain = SpeculativeDecoder(target, NoDrafter(), num_draft=0, eos_token_id=())
+    plain = SpeculativeDecoder(target, NoProposer(), num_draft=0, eos_token_id=())
     plain.generate(prompts[0][:8], 4)  # warm-up
     base_stats, base_out = _decode_all(plain, prompts, settings, GREEDY, "plain decoding")
     t_target, base_tps = _per_pass_ms(base_stats, base_stats.verify_s), _tokens_per_s(base_stats, base_out)

@@ -7,8 +7,8 @@ import random
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.eval.draft_oracle import OracleDrafter
-from draftsmith.eval.drafter import Draft
+from draftsmith.eval.proposers.oracle import OracleProposer
+from draftsmith.eval.proposers.base import Draft
 
 
 def chi2_pvalue(samples: list[int], probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -46,7 +46,7 @@ class TreeAroundOracle:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, target, depth: int, width: int = 3, break_prob: float = 0.0, seed: int = 0):
-        self.oracle = OracleDrafter(target)
+        self.oracle = OracleProposer(target)
         self.vocab = target.config.vocab_size
         self.depth, self.width, self.break_prob = depth, width, break_prob
         self.rng = random.Random(seed)

@@ -248,7 +248,7 @@ def test_checkpointing_stores_fewer_activations(target):
 
 def test_recipe_switch_reaches_the_post_hoc_drafters(tmp_path):
     from draftsmith.train.loop import train
-    from draftsmith.train.methods import build_method
+    from draftsmith.train.method import build_method
     from tiny_runs import tiny_recipe
 
     run = tmp_path / "target"

@@ -16,10 +16,10 @@ import torch
 from decoding_helpers import IIDTreeDrafter, RandomTreeDrafter, TreeAroundOracle, chi2_pvalue
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
-from draftsmith.eval.draft_lm import DraftModelDrafter
-from draftsmith.eval.draft_ngram import NgramDrafter
-from draftsmith.eval.draft_oracle import OracleDrafter
-from draftsmith.eval.drafter import NoDrafter, SamplingParams
+from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+from draftsmith.eval.proposers.ngram import NgramProposer
+from draftsmith.eval.proposers.oracle import OracleProposer
+from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.models.target import build_tiny_target, crop_cache, new_cache, target_forward
 
 VOCAB = 256
@@ -57,10 +57,10 @@ def world(request):
 
 
 DRAFTERS = {
-    "plain": lambda w: NoDrafter(),
-    "ngram": lambda w: NgramDrafter(),
-    "draft-lm": lambda w: DraftModelDrafter(w.draft, w.target),
-    "oracle": lambda w: OracleDrafter(w.target),
+    "plain": lambda w: NoProposer(),
+    "ngram": lambda w: NgramProposer(),
+    "draft-lm": lambda w: DraftLMProposer(w.draft, w.target),
+    "oracle": lambda w: OracleProposer(w.target),
     "tree-oracle": lambda w: TreeAroundOracle(w.target, depth=4, width=3, break_prob=0.3, seed=1),
     "random-tree": lambda w: RandomTreeDrafter(VOCAB, seed=2),
 }
@@ -83,7 +83,7 @@ def test_greedy_output_equals_generate(world, drafter):
 
 def test_tau_is_exactly_one_for_plain_and_one_plus_d_for_the_oracle(world):
     d, steps = 5, 4
-    decoder = SpeculativeDecoder(world.target, OracleDrafter(world.target), num_draft=d, eos_token_id=())
+    decoder = SpeculativeDecoder(world.target, OracleProposer(world.target), num_draft=d, eos_token_id=())
     prompt = torch.tensor(PROMPTS[1])
     plain = decoder.generate_plain(prompt, 1 + steps * (1 + d))
     assert plain.stats.tau == 1.0 and plain.stats.verify_passes == steps * (1 + d)
@@ -123,7 +123,7 @@ def test_cache_after_rejections_equals_a_fresh_prefill(world, drafter):
         if state.done:  # the last step's cache may hold drafts past the limit; unused
             break
         _cache_matches_fresh_prefill(world.target, state.cache, prompt + state.generated[:-1])
-        if isinstance(made, DraftModelDrafter):  # its own cache is trimmed too
+        if isinstance(made, DraftLMProposer):  # its own cache is trimmed too
             cached = made.cache.get_seq_length()
             assert cached + len(made.pending) == len(prompt) + len(state.generated)
             _cache_matches_fresh_prefill(made.model, made.cache, (prompt + state.generated)[:cached])
@@ -175,7 +175,7 @@ def test_drafters_get_the_hidden_states_of_every_committed_position(world, draft
 
 
 def test_tree_verify_agrees_with_verifying_each_path_as_a_chain(world):
-    decoder = SpeculativeDecoder(world.target, NoDrafter(), num_draft=12)
+    decoder = SpeculativeDecoder(world.target, NoProposer(), num_draft=12)
     state = decoder.start(torch.tensor(PROMPTS[1]), 40)
     prefix = state.cache.get_seq_length()
     draft = RandomTreeDrafter(VOCAB, seed=5).propose(12, None, None)
@@ -206,7 +206,7 @@ def test_eos_stops_and_nothing_past_it_counts(world):
     # an EOS that the oracle drafts in the middle of an accepted block
     position = next(i for i in range(6, len(ref)) if ref[i] not in ref[:i])
     eos = ref[position]
-    decoder = SpeculativeDecoder(world.target, OracleDrafter(world.target), num_draft=4, eos_token_id=eos)
+    decoder = SpeculativeDecoder(world.target, OracleProposer(world.target), num_draft=4, eos_token_id=eos)
     result = decoder.generate(torch.tensor(prompt), NEW)
     assert result.tokens.tolist() == ref[: position + 1]
     with torch.no_grad():
@@ -221,7 +221,7 @@ def test_eos_stops_and_nothing_past_it_counts(world):
     plain = decoder.generate_plain(torch.tensor(prompt), NEW)
     assert plain.tokens.tolist() == ref[: position + 1] and plain.stats.committed == position
 
-    limited = SpeculativeDecoder(world.target, OracleDrafter(world.target), num_draft=4, eos_token_id=())
+    limited = SpeculativeDecoder(world.target, OracleProposer(world.target), num_draft=4, eos_token_id=())
     result = limited.generate(torch.tensor(prompt), 8)
     assert result.tokens.tolist() == ref[:8] and result.stats.committed == 7
 
@@ -249,7 +249,7 @@ def test_sampling_reproduces_the_target_distribution(drafter):
     sampling = SamplingParams(temperature=1.0)
     gen = torch.Generator().manual_seed(0)
     if drafter == "draft-lm":
-        made = DraftModelDrafter(noisy_copy(target, scale=0.5, seed=4), target)
+        made = DraftLMProposer(noisy_copy(target, scale=0.5, seed=4), target)
     else:
         made = IIDTreeDrafter(torch.softmax(torch.randn(VOCAB, generator=gen) * 4, -1), shape=(3, 2))
     decoder = SpeculativeDecoder(target, made, num_draft=9 if drafter == "iid-tree" else 2, eos_token_id=())
@@ -274,7 +274,7 @@ def test_sampling_reproduces_the_target_distribution(drafter):
 
 def test_ngram_drafter_copies_the_latest_match():
     def proposal(context, n=5, **options):
-        drafter = NgramDrafter(**options)
+        drafter = NgramProposer(**options)
         drafter.begin(torch.tensor(context[:3]), None)
         drafter.commit(torch.tensor(context[3:]), None)
         return drafter.propose(n, None, None).tokens.tolist()
@@ -304,10 +304,10 @@ def test_default_num_draft_follows_the_tile_rule():
 
 
 def test_bad_input_is_refused(world):
-    decoder = SpeculativeDecoder(world.target, NgramDrafter(), num_draft=4)
+    decoder = SpeculativeDecoder(world.target, NgramProposer(), num_draft=4)
     with pytest.raises(DraftsmithError, match="one sequence at a time"):
         decoder.generate(torch.tensor([PROMPTS[2], PROMPTS[2]]), 4)
     other = build_tiny_target(vocab_size=VOCAB + 1, arch="llama", num_layers=1, hidden_size=32, num_heads=2,
                               num_kv_heads=1)
     with pytest.raises(DraftsmithError, match="vocabulary"):
-        DraftModelDrafter(other, world.target)
+        DraftLMProposer(other, world.target)

@@ -12,14 +12,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3Decode
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafter import SamplingParams
-from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, load_drafter
+from draftsmith.eval.proposers.base import SamplingParams
+from draftsmith.eval.proposers.dflash import DFlashProposer, load_proposer
+from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.dflash import (
     ContextCache, DFlashConfig, DFlashDrafter, auto_block_size, block_visibility, concat_layers,
     default_gamma, greedy_metrics, make_blocks, sample_anchors, spread_layer_ids,
 )
 from draftsmith.models.export_dflash import (
-    export_dflash_zlab, load_dflash_zlab, load_native_drafter, save_native_drafter,
+    export_dflash_zlab, load_dflash_zlab,
 )
 from draftsmith.models.target import build_tiny_target, freeze, target_forward
 
@@ -269,9 +270,9 @@ def test_zlab_export_has_the_reference_layout_and_reloads_bit_identical(target, 
 
     prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
     before = block_logits(drafter, target, prompt)
-    save_native_drafter(drafter, tmp_path / "native")
-    for reloaded in (load_dflash_zlab(tmp_path / "zlab"), load_native_drafter(tmp_path / "native", "dflash"),
-                     load_drafter(tmp_path / "native", target).drafter):
+    save_drafter(drafter, tmp_path / "native")
+    for reloaded in (load_dflash_zlab(tmp_path / "zlab"), load_drafter(tmp_path / "native", "dflash"),
+                     load_proposer(tmp_path / "native", target).drafter):
         assert type(reloaded) is DFlashDrafter
         assert torch.equal(block_logits(reloaded, target, prompt), before)
 
@@ -284,7 +285,7 @@ def test_greedy_speculative_output_equals_target_generate(arch):
     drafter = drafter_for(target)
     prompt = torch.randint(0, MASK, (10,), generator=torch.Generator().manual_seed(4))
     expected = target.generate(prompt[None], max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
-    decoder = SpeculativeDecoder(target, DFlashDecodeDrafter(drafter, target), num_draft=5, eos_token_id=())
+    decoder = SpeculativeDecoder(target, DFlashProposer(drafter, target), num_draft=5, eos_token_id=())
     result = decoder.generate(prompt, 30)
     assert result.tokens.tolist() == expected[0, 10:].tolist()
     sampled = decoder.generate(prompt, 30, SamplingParams(temperature=0.8, top_k=20), torch.Generator().manual_seed(0))

@@ -154,12 +154,12 @@ def test_launches_the_machine_can_serve_pass(launch_env, gpus, env):
 
 
 def test_zero3_refuses_a_method_that_cannot_shard(launch_env, monkeypatch):
-    from draftsmith.train import method_mtp
+    from draftsmith.train.mtp import MTPTraining
 
     launch_env(0, ACCELERATE_USE_DEEPSPEED="true",
                ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ROOT / "recipes/accelerate/ds_zero3.json"))
     check_launch("mtp")  # declares nothing: it can
-    monkeypatch.setattr(method_mtp.Method, "no_zero3", "it reads weights outside forward", raising=False)
+    monkeypatch.setattr(MTPTraining, "no_zero3", "it reads weights outside forward", raising=False)
     with pytest.raises(DraftsmithError, match=r"method mtp cannot train under DeepSpeed ZeRO-3 \(it reads"):
         check_launch("mtp")
     launch_env(0, ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ROOT / "recipes/accelerate/ds_zero2.json"))

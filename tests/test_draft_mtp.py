@@ -5,15 +5,15 @@ import torch
 from torch import nn
 
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.draft_mtp import MTPDrafter
-from draftsmith.eval.drafter import GREEDY, TargetContext
-from draftsmith.models.mtp import MTPHeads, mtp_forward
+from draftsmith.eval.proposers.mtp import MTPProposer
+from draftsmith.eval.proposers.base import GREEDY, TargetContext
+from draftsmith.models.mtp import MTPDrafter, mtp_forward
 from draftsmith.models.target import build_tiny_target, target_forward
 
 
 def tiny(arch):
     target = build_tiny_target(arch=arch, vocab_size=61, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=1)
-    heads = MTPHeads.for_target(target, 2)
+    heads = MTPDrafter.for_target(target, 2)
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -23,7 +23,7 @@ def tiny(arch):
 def reference_drafts(heads, target, committed, drafts):
     """Each draft recomputed from scratch over the whole sequence; depths past K reuse
     the last module, as the drafter does."""
-    chained = MTPHeads.__new__(MTPHeads)
+    chained = MTPDrafter.__new__(MTPDrafter)
     nn.Module.__init__(chained)
     chained.layers = nn.ModuleList([heads.layers[min(m, 2) - 1] for m in range(1, len(drafts) + 1)])
     seq = torch.cat([committed, drafts[:-1]])[None]
@@ -36,7 +36,7 @@ def reference_drafts(heads, target, committed, drafts):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_drafts_follow_deepseek_depth_semantics_across_steps(arch):
     target, heads = tiny(arch)
-    drafter = MTPDrafter(heads, target)
+    drafter = MTPProposer(heads, target)
     ids = torch.randint(0, 61, (14,))
     prompt = ids[:6]
     out = target_forward(target, prompt[None], capture=[1])
@@ -55,7 +55,7 @@ def test_drafts_follow_deepseek_depth_semantics_across_steps(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_mtp_decoding_is_lossless(arch):
     target, heads = tiny(arch)
-    decoder = SpeculativeDecoder(target, MTPDrafter(heads, target), num_draft=4, eos_token_id=())
+    decoder = SpeculativeDecoder(target, MTPProposer(heads, target), num_draft=4, eos_token_id=())
     for seed in range(3):
         prompt = torch.randint(0, 61, (5 + seed,), generator=torch.Generator().manual_seed(seed))
         expected = target.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -10,12 +10,13 @@ from safetensors import safe_open
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.drafter import GREEDY, SamplingParams, TargetContext
-from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, DSparkDecodeDrafter, load_drafter
+from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
+from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer, load_proposer
+from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTION, DSparkConfig, DSparkDrafter
 from draftsmith.models.export_dflash import (
-    export_dflash_zlab, export_dspark, load_dflash_zlab, load_dspark, load_native_drafter, save_native_drafter,
+    export_dflash_zlab, export_dspark, load_dflash_zlab, load_dspark,
 )
 from draftsmith.models.target import build_tiny_target, target_forward
 
@@ -66,7 +67,7 @@ def test_config_convention_and_block_size():
 
 def test_refiner_off_gives_the_backbone_drafts(target):
     drafter = with_trained_refiner(dspark_for(target))
-    hidden, base = first_block(DSparkDecodeDrafter(drafter, target), target, torch.arange(3, 14))
+    hidden, base = first_block(DSparkProposer(drafter, target), target, torch.arange(3, 14))
     anchor = torch.tensor([13])
     pick = lambda logits, k: logits.argmax(-1)  # noqa: E731
     off, off_logits, _ = drafter.refine(hidden, base, anchor, pick, refiner=False)
@@ -82,8 +83,8 @@ def test_a_dspark_on_a_frozen_dflash_backbone_starts_with_its_drafts(target):
     trainable = {name for name, p in dspark.named_parameters() if p.requires_grad}
     assert trainable and all(name.startswith(("markov_head.", "confidence_head.")) for name in trainable)
     prompt = torch.arange(5, 17)
-    expected = first_block(DFlashDecodeDrafter(dflash, target), target, prompt)[1][0].argmax(-1)
-    adapter = DSparkDecodeDrafter(dspark, target, confidence_threshold=0.0)
+    expected = first_block(DFlashProposer(dflash, target), target, prompt)[1][0].argmax(-1)
+    adapter = DSparkProposer(dspark, target, confidence_threshold=0.0)
     first_block(adapter, target, prompt)
     assert torch.equal(adapter.propose(5, GREEDY, None).tokens, expected)  # W2 = 0: the refiner is a no-op
     with pytest.raises(DraftsmithError, match="frozen DFlash backbone"):
@@ -145,12 +146,12 @@ def test_confidence_head_ends_drafts_early_and_counts_the_rows_saved(target):
         drafter.confidence_head.proj.bias.fill_(-1.0)  # sigmoid ~0.27: prefix acceptance .27, .07, .02 ...
     prompt = torch.randint(0, MASK, (8,), generator=torch.Generator().manual_seed(3))
     expected = target.generate(prompt[None], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    stopping = DSparkDecodeDrafter(drafter, target, confidence_threshold=0.05)
+    stopping = DSparkProposer(drafter, target, confidence_threshold=0.05)
     result = SpeculativeDecoder(target, stopping, num_draft=6, eos_token_id=()).generate(prompt, 20)
     assert result.tokens.tolist() == expected[0, 8:].tolist()
     stats = stopping.report_extra()
     assert stats["early_stop_rate"] > 0.5 and stats["verify_rows_saved"] > stats["early_stops"]
-    full = DSparkDecodeDrafter(drafter, target, confidence_threshold=0.0)
+    full = DSparkProposer(drafter, target, confidence_threshold=0.0)
     SpeculativeDecoder(target, full, num_draft=6, eos_token_id=()).generate(prompt, 20)
     assert full.report_extra()["early_stops"] == 0 and full.report_extra()["verify_rows_saved"] == 0
 
@@ -174,29 +175,29 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
     prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
 
     def drafts(model):
-        adapter = DSparkDecodeDrafter(model, target, confidence_threshold=0.0)
+        adapter = DSparkProposer(model, target, confidence_threshold=0.0)
         first_block(adapter, target, prompt)
         return adapter.propose(5, GREEDY, None).tokens, adapter.draft_block(5)[1]
 
-    save_native_drafter(drafter, tmp_path / "native")
+    save_drafter(drafter, tmp_path / "native")
     before = drafts(drafter)
-    for reloaded in (load_dspark(tmp_path / "dspark"), load_native_drafter(tmp_path / "native", "dspark"),
-                     load_drafter(tmp_path / "dspark", target, "dspark").drafter):
+    for reloaded in (load_dspark(tmp_path / "dspark"), load_drafter(tmp_path / "native", "dspark"),
+                     load_proposer(tmp_path / "dspark", target, "dspark").drafter):
         after = drafts(reloaded)
         assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
     dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6))
     export_dflash_zlab(dflash, tmp_path / "dflash")
-    save_native_drafter(dflash, tmp_path / "dflash-native")
+    save_drafter(dflash, tmp_path / "dflash-native")
     narrow = build_tiny_target(vocab_size=VOCAB, num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2)
     for call, match in (
         (lambda: load_dflash_zlab(tmp_path / "dspark"), "holds a DSpark checkpoint .* load it with load_dspark"),
         (lambda: load_dspark(tmp_path / "dflash"), "holds a DFlash checkpoint .* load it with load_dflash_zlab"),
-        (lambda: load_native_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
-        (lambda: load_native_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
-        (lambda: load_drafter(tmp_path / "native", target, "dflash"), "holds a dspark drafter, not dflash"),
-        (lambda: load_drafter(tmp_path / "dflash", target, "dspark"), "holds a DFlash checkpoint"),
-        (lambda: load_drafter(tmp_path / "dflash", narrow, "dflash"), "hidden size 64, the target has 32"),
+        (lambda: load_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
+        (lambda: load_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
+        (lambda: load_proposer(tmp_path / "native", target, "dflash"), "holds a dspark drafter, not dflash"),
+        (lambda: load_proposer(tmp_path / "dflash", target, "dspark"), "holds a DFlash checkpoint"),
+        (lambda: load_proposer(tmp_path / "dflash", narrow, "dflash"), "hidden size 64, the target has 32"),
         (lambda: export_dflash_zlab(drafter, tmp_path / "x"), "this is a DSpark drafter"),
         (lambda: export_dspark(dflash, tmp_path / "x"), "this is a DFlash drafter"),
     ):
@@ -213,7 +214,7 @@ def test_greedy_speculative_output_equals_target_generate(arch):
     expected = target.generate(prompt[None], max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     for convention in (ANCHOR_IS_FIRST_PREDICTION, ANCHOR_IS_CONTEXT):
         drafter = with_trained_refiner(dspark_for(target, block_convention=convention))
-        decoder = SpeculativeDecoder(target, DSparkDecodeDrafter(drafter, target), num_draft=5, eos_token_id=())
+        decoder = SpeculativeDecoder(target, DSparkProposer(drafter, target), num_draft=5, eos_token_id=())
         assert decoder.generate(prompt, 30).tokens.tolist() == expected[0, 10:].tolist()
     sampled = decoder.generate(prompt, 30, SamplingParams(temperature=0.8, top_p=0.9), torch.Generator().manual_seed(0))
     assert len(sampled.tokens) == 30

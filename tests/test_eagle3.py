@@ -14,14 +14,14 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from draftsmith.data.draft_vocab import build_draft_vocab
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.draft_eagle3 import Eagle3Proposer
-from draftsmith.eval.drafter import SamplingParams
-from draftsmith.eval.drafters import load_drafter
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.base import SamplingParams
+from draftsmith.eval.proposers import proposer_from_spec
 from draftsmith.models.eagle3 import (
-    DraftKV, Eagle3Config, Eagle3Drafter, default_layer_ids, load_eagle3, save_eagle3,
+    DraftKV, Eagle3Config, Eagle3Drafter, default_layer_ids,
 )
 from draftsmith.models.export_eagle3 import export_eagle3, load_eagle3_export
-from draftsmith.models.native import config_from_dict
+from draftsmith.models.native import config_from_dict, load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
 from draftsmith.recipe import recipe_from_dict
 
@@ -289,11 +289,11 @@ def test_reload_gives_identical_drafts(trained, tmp_path):
     hidden, _ = features(target, drafter, seqs[:1])
     with torch.no_grad():
         expected = drafter.ttt_logits(hidden, seqs[:1])
-    save_eagle3(drafter, tmp_path / "run" / "model")
+    save_drafter(drafter, tmp_path / "run" / "model")
     export_eagle3(tmp_path / "run", tmp_path / "vllm", "vllm")  # from a training run's native model/
     export_eagle3(drafter, tmp_path / "sglang", "sglang")
     reloaded = {
-        "native": load_eagle3(tmp_path / "run" / "model", target),
+        "native": load_drafter(tmp_path / "run" / "model", "eagle3", target),
         "sglang": load_eagle3_export(tmp_path / "sglang", target),
         "vllm": load_eagle3_export(tmp_path / "vllm", target),
     }
@@ -311,18 +311,18 @@ def test_reload_gives_identical_drafts(trained, tmp_path):
 
 def test_eval_specs_load_native_runs_and_exports(trained, tmp_path):
     _, target, drafter, seqs, _ = trained
-    save_eagle3(drafter, tmp_path / "run" / "model")
+    save_drafter(drafter, tmp_path / "run" / "model")
     export_eagle3(drafter, tmp_path / "vllm", "vllm")
     for spec, mode in (("eagle3:{}/run", "chain"), ("eagle3_tree:{}/vllm", "tree")):
-        proposer = load_drafter(spec.format(tmp_path), target)
+        proposer = proposer_from_spec(spec.format(tmp_path), target)
         assert proposer.mode == mode and proposer.name == spec.split(":")[0]
         decoder = SpeculativeDecoder(target, proposer, num_draft=5, eos_token_id=())
         assert torch.equal(decoder.generate(seqs[3, :PROMPT], 12).tokens, seqs[3, PROMPT : PROMPT + 12])
-    save_eagle3(drafter, tmp_path / "other")
+    save_drafter(drafter, tmp_path / "other")
     meta = json.loads((tmp_path / "other" / "config.json").read_text())
     (tmp_path / "other" / "config.json").write_text(json.dumps({**meta, "method": "dflash"}))
     with pytest.raises(DraftsmithError, match="holds a dflash drafter, not eagle3"):
-        load_drafter(f"eagle3:{tmp_path}/other", target)
+        proposer_from_spec(f"eagle3:{tmp_path}/other", target)
 
 
 def test_reload_refuses_disagreeing_layer_ids(trained, tmp_path):

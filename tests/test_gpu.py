@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.draft_dflash import DFlashDecodeDrafter, DSparkDecodeDrafter
-from draftsmith.eval.draft_eagle3 import Eagle3Proposer
-from draftsmith.eval.draft_lm import DraftModelDrafter
-from draftsmith.eval.draft_ngram import NgramDrafter
-from draftsmith.eval.draft_oracle import OracleDrafter
+from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+from draftsmith.eval.proposers.ngram import NgramProposer
+from draftsmith.eval.proposers.oracle import OracleProposer
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
@@ -77,13 +77,13 @@ def block_config(cls, target):
 
 
 DRAFTERS = {
-    "ngram": lambda t: NgramDrafter(),
-    "draft-lm": lambda t: DraftModelDrafter(noisy_copy(t), t),
-    "oracle": lambda t: OracleDrafter(t),
+    "ngram": lambda t: NgramProposer(),
+    "draft-lm": lambda t: DraftLMProposer(noisy_copy(t), t),
+    "oracle": lambda t: OracleProposer(t),
     "eagle3": lambda t: Eagle3Proposer(Eagle3Drafter.from_target(t).to(torch.bfloat16), mode="chain"),
     "eagle3-tree": lambda t: Eagle3Proposer(Eagle3Drafter.from_target(t).to(torch.bfloat16), mode="tree"),
-    "dflash": lambda t: DFlashDecodeDrafter(DFlashDrafter(block_config(DFlashConfig, t)).to("cuda", torch.bfloat16), t),
-    "dspark": lambda t: DSparkDecodeDrafter(DSparkDrafter(block_config(DSparkConfig, t)).to("cuda", torch.bfloat16), t),
+    "dflash": lambda t: DFlashProposer(DFlashDrafter(block_config(DFlashConfig, t)).to("cuda", torch.bfloat16), t),
+    "dspark": lambda t: DSparkProposer(DSparkDrafter(block_config(DSparkConfig, t)).to("cuda", torch.bfloat16), t),
 }
 
 

@@ -5,8 +5,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.export import load_mtp, mtp_deepseek_names, save_mtp
-from draftsmith.models.mtp import MTPConfig, MTPHeads, mtp_forward
+from draftsmith.models.mtp import MTP_DIR, deepseek_names, mtp_dir
+from draftsmith.models.native import load_drafter, save_drafter
+from draftsmith.models.mtp import MTPConfig, MTPDrafter, mtp_forward
 from draftsmith.models.target import build_tiny_target, target_forward
 
 
@@ -61,7 +62,7 @@ def _randomise(module):
 
 def test_depth1_matches_hand_written_reference():
     target = build_tiny_target(vocab_size=97, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
-    heads = MTPHeads.for_target(target, 2)
+    heads = MTPDrafter.for_target(target, 2)
     _randomise(heads)  # norms start at 1: perturb them so the test sees every weight
     ids = torch.randint(0, 97, (1, 12))
     h0 = target_forward(target, ids, capture=[1]).hidden[1]
@@ -73,16 +74,17 @@ def test_depth1_matches_hand_written_reference():
 
 def test_save_uses_deepseek_names_and_reloads(tmp_path):
     target = build_tiny_target(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4)
-    heads = MTPHeads.for_target(target, 2)
+    heads = MTPDrafter.for_target(target, 2)
     _randomise(heads)
-    save_mtp(heads, MTPConfig(num_depths=2), tmp_path)
-    names = set(mtp_deepseek_names(heads.state_dict()))
+    save_drafter(heads, tmp_path / MTP_DIR)
+    names = set(deepseek_names(heads.state_dict()))
     for k in (0, 1):
         for part in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
                      "self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"):
             assert f"layers.{k}.{part}" in names
     assert not any("block" in n or "embed_tokens" in n for n in names)
-    loaded, config = load_mtp(tmp_path, target)
+    loaded = load_drafter(mtp_dir(tmp_path), "mtp", target)
+    config = loaded.config
     assert config.num_depths == 2
     ids = torch.randint(0, 64, (1, 9))
     h0 = target_forward(target, ids, capture=[1]).hidden[1]

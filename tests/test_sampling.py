@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 
 from decoding_helpers import chi2_pvalue
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.drafter import SamplingParams
+from draftsmith.eval.proposers.base import SamplingParams
 from draftsmith.eval.sampling import (
     accept_chain_greedy,
     accept_chain_sampled,

@@ -21,9 +21,9 @@ from decoding_helpers import TreeAroundOracle
 from draftsmith.cli import build_parser, main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.draft_ngram import NgramDrafter
-from draftsmith.eval.draft_oracle import OracleDrafter
-from draftsmith.eval.drafter import GREEDY, Draft
+from draftsmith.eval.proposers.ngram import NgramProposer
+from draftsmith.eval.proposers.oracle import OracleProposer
+from draftsmith.eval.proposers.base import GREEDY, Draft
 from draftsmith.eval.evaluate import EvalSettings, _run
 from draftsmith.models.target import build_tiny_target, is_static_cache, new_cache, target_forward
 
@@ -48,7 +48,7 @@ class CorruptedOracle:
     name = "corrupted-oracle"
 
     def __init__(self, target, capture_layers=(), seed=0):
-        self.oracle, self.vocab = OracleDrafter(target), target.config.vocab_size
+        self.oracle, self.vocab = OracleProposer(target), target.config.vocab_size
         self.capture_layers = tuple(capture_layers)
         self.rng = random.Random(seed)
         self.hidden = {i: [] for i in self.capture_layers}
@@ -76,8 +76,8 @@ class CorruptedOracle:
 
 
 DRAFTERS = {
-    "ngram": lambda w: NgramDrafter(),
-    "oracle": lambda w: OracleDrafter(w.target),
+    "ngram": lambda w: NgramProposer(),
+    "oracle": lambda w: OracleProposer(w.target),
     "corrupted-oracle": lambda w: CorruptedOracle(w.target, seed=3),
     "tree-oracle": lambda w: TreeAroundOracle(w.target, depth=4, width=3, break_prob=0.3, seed=1),
 }
@@ -187,12 +187,12 @@ def test_compiled_verify_with_inductor_on_cpu(world):
 def test_static_cache_size_and_options_are_checked(world):
     prompt = PROMPTS[1]
     exact = len(prompt) + NEW + D  # the last verify may start at len + NEW - 2 and write 1 + D rows
-    decoder = SpeculativeDecoder(world.target, OracleDrafter(world.target), num_draft=D, eos_token_id=(),
+    decoder = SpeculativeDecoder(world.target, OracleProposer(world.target), num_draft=D, eos_token_id=(),
                                  cache="static", max_cache_len=exact)
     assert decoder.generate(torch.tensor(prompt), NEW).tokens.tolist() == world.refs[1]
     with pytest.raises(DraftsmithError, match=f"static cache of {exact} tokens"):
         decoder.generate(torch.tensor(prompt), NEW + 1)
-    grows = SpeculativeDecoder(world.target, NgramDrafter(), num_draft=D, cache="static")
+    grows = SpeculativeDecoder(world.target, NgramProposer(), num_draft=D, cache="static")
     grows.generate(torch.tensor(prompt), 4)
     grows.start(torch.tensor(prompt), 300)  # more than the first cache holds: a bigger one
     assert grows._static.get_max_length() == 512
@@ -200,13 +200,13 @@ def test_static_cache_size_and_options_are_checked(world):
                              (dict(compile=True), "compile needs the static cache"),
                              (dict(max_cache_len=64), "max_cache_len sizes the static cache")):
         with pytest.raises(DraftsmithError, match=message):
-            SpeculativeDecoder(world.target, NgramDrafter(), num_draft=D, **options)
+            SpeculativeDecoder(world.target, NgramProposer(), num_draft=D, **options)
 
 
 def test_eval_runs_with_a_static_cache_and_compile(world, traced, capsys):
     settings = EvalSettings(num_prompts=len(PROMPTS), max_new_tokens=12, drafters=["ngram", "oracle"],
                             cache="static", compile=True)
-    drafters = [NgramDrafter(), OracleDrafter(world.target)]
+    drafters = [NgramProposer(), OracleProposer(world.target)]
     # `_run` stops on any greedy mismatch against plain decoding
     results = _run(world.target, drafters, [torch.tensor(p) for p in PROMPTS], settings, GREEDY, num_draft=4)
     assert results["settings"]["cache"] == "static" and results["settings"]["compile"] is True

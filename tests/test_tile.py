@@ -3,7 +3,7 @@ import json
 import pytest
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.tile import (
+from draftsmith.models.tile import (
     fitting_tile,
     format_plan,
     plan_command,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.export import load_mtp
+from draftsmith.models.mtp import mtp_dir
+from draftsmith.models.native import load_drafter
 from draftsmith.train import loop
 from draftsmith.train.loop import latest_checkpoint, train
 from tiny_runs import ROOT, overrides, tiny_recipe
@@ -47,7 +48,8 @@ def test_mtp_loss_falls_and_depth_accuracy_beats_unigram(tmp_path):
 
     target = AutoModelForCausalLM.from_pretrained(run / "model")
     assert target.config.num_hidden_layers == 2 and target.config.num_key_value_heads == 1
-    heads, config = load_mtp(run / "model", target)
+    heads = load_drafter(mtp_dir(run / "model"), "mtp", target)
+    config = heads.config
     assert config.num_depths == 2 and heads.num_depths == 2
     assert (run / "recipe.yaml").read_text().count("output_dir") == 1
 
@@ -58,10 +60,10 @@ def test_resume_reproduces_the_uninterrupted_trajectory(tmp_path, monkeypatch):
     expected = train_losses(straight)
 
     broken = tmp_path / "broken"
-    from draftsmith.train import method_mtp
+    from draftsmith.train.mtp import MTPTraining
 
     calls = {"n": 0}
-    real_loss = method_mtp.Method.loss
+    real_loss = MTPTraining.loss
 
     def dying_loss(self, model, batch, step):
         calls["n"] += 1
@@ -69,10 +71,10 @@ def test_resume_reproduces_the_uninterrupted_trajectory(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_loss(self, model, batch, step)
 
-    monkeypatch.setattr(method_mtp.Method, "loss", dying_loss)
+    monkeypatch.setattr(MTPTraining, "loss", dying_loss)
     with pytest.raises(KeyboardInterrupt):
         train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100))
-    monkeypatch.setattr(method_mtp.Method, "loss", real_loss)
+    monkeypatch.setattr(MTPTraining, "loss", real_loss)
     assert latest_checkpoint(broken).name == "step-0000003"
     assert not list((broken / "checkpoints").glob(".tmp*"))
     train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100, train__resume=True))

@@ -9,7 +9,7 @@ import torch
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
-from draftsmith.models.export_dflash import save_native_drafter
+from draftsmith.models.native import save_drafter
 from draftsmith.train.loop import train
 from tiny_runs import tiny_recipe
 
@@ -68,7 +68,7 @@ def test_trained_dflash_beats_an_untrained_one(target, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(target / "model")
     config = json.loads((run / "model" / "config.json").read_text())["config"]
     torch.manual_seed(0)
-    save_native_drafter(DFlashDrafter(DFlashConfig(**config)), tmp_path / "untrained")
+    save_drafter(DFlashDrafter(DFlashConfig(**config)), tmp_path / "untrained")
     assert model.config.num_hidden_layers == config["num_target_layers"]
     report = evaluate(target, tmp_path / "r", f"dflash:{run}", f"dflash:{tmp_path / 'untrained'}")
     names = list(report)

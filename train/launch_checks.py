@@ -10,7 +10,6 @@ CUDA with a traceback. `check_launch` turns each into one line before anything i
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
@@ -40,11 +39,12 @@ def zero3_blocker(method_name: str) -> str:
     """Why a method cannot train under ZeRO-3, "" when it can. ZeRO-3 partitions every
     parameter of the prepared module and gathers it only inside that module's forward; a
     method declares `no_zero3 = "reason"` on its class when it reads parameters otherwise."""
-    from draftsmith.train.methods import REGISTRY
+    from draftsmith.registry import METHODS, resolve
 
-    if method_name not in REGISTRY:
+    spec = METHODS.get(method_name)
+    if spec is None or not spec.training:
         return ""  # build_method reports the unknown name
-    return getattr(importlib.import_module(REGISTRY[method_name]).Method, "no_zero3", "")
+    return getattr(resolve(spec.training, f"method {method_name!r} training"), "no_zero3", "")
 
 
 def check_launch(method_name: str) -> None:

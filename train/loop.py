@@ -23,7 +23,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_file, ensure_writable_dir
 from draftsmith.recipe import Recipe, dump_recipe
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs
-from draftsmith.train.methods import build_method
+from draftsmith.train.method import build_method
 
 CHECKPOINTS = "checkpoints"
 

@@ -24,7 +24,8 @@ from draftsmith.models.feature_cache import (
 )
 from draftsmith.models.target import TargetOutput, load_target, resolve_model_dir, target_forward
 from draftsmith.recipe import Recipe
-from draftsmith.train.methods import TrainMethod, build_method
+from draftsmith.registry import posthoc
+from draftsmith.train.method import TrainMethod, build_method
 
 EVAL_FRACTION = 0.05
 
@@ -158,15 +159,12 @@ class PostHocMethod(TrainMethod):
         return int(batch["attention_mask"].sum())
 
 
-POSTHOC_METHODS = ("eagle3", "dflash", "dspark")
-
-
 def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
     """Run the target once over the rows `recipe` trains on and store what its method's loss
     reads of them (`draftsmith data cache-hidden`); resumable. Builds the method itself, so
     the rows, split, layer ids and draft vocabulary are the training run's own."""
-    if recipe.method.name not in POSTHOC_METHODS:
-        raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(POSTHOC_METHODS)} "
+    if recipe.method.name not in posthoc():
+        raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(posthoc())} "
                               "read target features")
     recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -94,7 +94,7 @@ class TargetContext:
 
 
 @runtime_checkable
-class Drafter(Protocol):
+class Proposer(Protocol):
     name: str
     # Target layers (ids: output of decoder layer i, 0-based; the last one is pre-norm)
     # whose hidden states this drafter wants in every TargetContext. Empty: none.
@@ -107,7 +107,7 @@ class Drafter(Protocol):
     def commit(self, accepted: torch.Tensor, ctx: TargetContext) -> None: ...
 
 
-class NoDrafter:
+class NoProposer:
     """Proposes nothing: the decoder then runs plain autoregressive decoding (tau = 1)."""
 
     name = "baseline"

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.draft_vocab import build_draft_vocab
-from draftsmith.models.eagle3 import Eagle3Drafter, check_target_fits, save_eagle3
+from draftsmith.models.eagle3 import Eagle3Drafter, check_target_fits
+from draftsmith.models.native import save_drafter
 from draftsmith.train.posthoc import LossForward, PostHocMethod
 
 
-class Method(PostHocMethod):
+class Eagle3Training(PostHocMethod):
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
         drafter = Eagle3Drafter.from_target(self.target, **recipe.method.params)
@@ -47,4 +48,4 @@ class Method(PostHocMethod):
                      batch["attention_mask"], target_top=f["target_top"])
 
     def save(self, model, out_dir: Path) -> Path:
-        return save_eagle3(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})
+        return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

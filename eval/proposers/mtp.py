@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.drafter import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
-from draftsmith.models.mtp import MTPHeads
+from draftsmith.models.mtp import MTPDrafter
 from draftsmith.models.target import crop_cache
 
 
@@ -38,8 +38,8 @@ class _Depth:
         return 0 if self.outputs is None else self.outputs.shape[0]
 
 
-class MTPDrafter:
-    def __init__(self, heads: MTPHeads, target, name: str = "mtp"):
+class MTPProposer:
+    def __init__(self, heads: MTPDrafter, target, name: str = "mtp"):
         self.name = name
         self.heads = heads.eval()
         for layer in heads.layers:
@@ -122,8 +122,8 @@ class MTPDrafter:
         return Draft(torch.stack(drafts), None, torch.stack(probs) if probs else None)
 
 
-def load_drafter(path, target, **options) -> MTPDrafter:
-    from draftsmith.models.export import load_mtp
+def load_proposer(path, target, **options) -> MTPProposer:
+    from draftsmith.models.mtp import mtp_dir
+    from draftsmith.models.native import load_drafter
 
-    heads, _ = load_mtp(path, target)  # a target of other sizes fails here, naming the tensor
-    return MTPDrafter(heads.to(next(target.parameters()).device), target)
+    return MTPProposer(load_drafter(mtp_dir(path), "mtp", target), target)

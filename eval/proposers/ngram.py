@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.drafter import Draft
+from draftsmith.eval.proposers.base import Draft
 
 
-class NgramDrafter:
+class NgramProposer:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, latest: bool = True, extend: bool = True):
@@ -64,5 +64,5 @@ class NgramDrafter:
         return Draft.empty()
 
 
-def load_drafter(path, target, **options) -> NgramDrafter:
-    return NgramDrafter(**options)
+def load_proposer(path, target, **options) -> NgramProposer:
+    return NgramProposer(**options)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.drafter import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
 from draftsmith.models.target import crop_cache, new_cache, target_forward
 
 
-class DraftModelDrafter:
+class DraftLMProposer:
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, model, target, name: str = "draft-lm"):
@@ -65,10 +65,10 @@ class DraftModelDrafter:
         self.drafts_fed = None
 
 
-def load_drafter(path, target, **options) -> DraftModelDrafter:
+def load_proposer(path, target, **options) -> DraftLMProposer:
     from transformers import AutoModelForCausalLM
 
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"draft model {path}: no config.json (expected a draft_lm run or a HF model folder)")
     model = AutoModelForCausalLM.from_pretrained(str(path)).to(next(target.parameters()).device)
-    return DraftModelDrafter(model, target, name="draft_lm")
+    return DraftLMProposer(model, target, name="draft_lm")

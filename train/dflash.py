@@ -14,12 +14,14 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, check_target, concat_layers
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
-from draftsmith.models.export_dflash import load_native_drafter, save_native_drafter
+from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import resolve_model_dir
 from draftsmith.train.posthoc import LossForward, PostHocMethod
 
 
-class Method(PostHocMethod):
+class DFlashTraining(PostHocMethod):
+    """DFlash, or DSpark when method.name is dspark (the same backbone and data path)."""
+
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
         params = dict(recipe.method.params)
@@ -30,7 +32,7 @@ class Method(PostHocMethod):
         if self.dspark and backbone:
             if params.get("block_size") == "auto":  # the backbone's block, unless a number is given
                 params.pop("block_size")
-            dflash = load_native_drafter(resolve_model_dir(backbone), "dflash")
+            dflash = load_drafter(resolve_model_dir(backbone), "dflash")
             try:
                 check_target(dflash, self.target)
             except DraftsmithError as exc:
@@ -70,4 +72,4 @@ class Method(PostHocMethod):
         return model(hidden, batch["input_ids"], mask, self.embed, self.head, generator=gen)
 
     def save(self, model, out_dir: Path) -> Path:
-        return save_native_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})
+        return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

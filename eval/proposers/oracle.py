@@ -4,9 +4,9 @@ upper bound a drafter could reach at a given D."""
 
 from __future__ import annotations
 
-from draftsmith.eval.draft_lm import DraftModelDrafter
+from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 
 
-class OracleDrafter(DraftModelDrafter):
+class OracleProposer(DraftLMProposer):
     def __init__(self, target):
         super().__init__(target, target, name="oracle")

@@ -13,10 +13,10 @@ from draftsmith.fsutil import atomic_dir
 from draftsmith.models.draft_lm import distill_kl
 from draftsmith.models.target import build_tiny_target, load_target, resolve_model_dir
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
-from draftsmith.train.methods import TrainMethod
+from draftsmith.train.method import TrainMethod
 
 
-class Method(TrainMethod):
+class DraftLMTraining(TrainMethod):
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
         self.config = c = recipe.method.build_config()

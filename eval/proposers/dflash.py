@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.drafter import Draft, SamplingParams, TargetContext
+from draftsmith.eval.proposers.base import Draft, SamplingParams, TargetContext
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
 from draftsmith.models.dspark import DSparkDrafter
 
 
-class DFlashDecodeDrafter:
+class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target, name: str = "dflash"):
         check_target(drafter, target)
         self.name = name
@@ -63,7 +63,7 @@ class DFlashDecodeDrafter:
         return Draft(tokens, None, probs)
 
 
-class DSparkDecodeDrafter(DFlashDecodeDrafter):
+class DSparkProposer(DFlashProposer):
     """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block.
     `refiner=False` drafts with the backbone alone (an ablation; the result stays exact)."""
 
@@ -106,11 +106,15 @@ class DSparkDecodeDrafter(DFlashDecodeDrafter):
         }
 
 
-def load_drafter(path, target, method: str = "dflash", **options) -> DFlashDecodeDrafter:
+def load_proposer(path, target, method: str = "dflash", **options) -> DFlashProposer:
     """The decode adapter of a DFlash or DSpark checkpoint (a training run's native model/
     folder, or a z-lab / DSpark export); `method` must be what the checkpoint holds."""
     from draftsmith.models.export_dflash import load_block_drafter
 
     drafter = load_block_drafter(path, method).to(next(target.parameters()).device)
-    adapter = DSparkDecodeDrafter if method == "dspark" else DFlashDecodeDrafter
+    adapter = DSparkProposer if method == "dspark" else DFlashProposer
     return adapter(drafter, target, name=method, **options)
+
+
+def load_dspark_proposer(path, target, **options) -> DSparkProposer:
+    return load_proposer(path, target, method="dspark", **options)

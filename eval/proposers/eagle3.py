@@ -19,18 +19,19 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.drafter import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import process_logits, sample
 from draftsmith.fsutil import read_json
-from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter, load_eagle3
+from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
+from draftsmith.models.native import load_drafter
 from draftsmith.models.export_eagle3 import load_eagle3_export
 
 
-def load_drafter(path: str | Path, target, tree: bool = False, **options) -> "Eagle3Proposer":
+def load_proposer(path: str | Path, target, tree: bool = False, **options) -> "Eagle3Proposer":
     """A native EAGLE-3 folder (a training run's model/) or an SGLang/vLLM export, as a
     chain drafter or, with `tree`, an EAGLE-2 tree drafter (`topk`, `depth` in options)."""
     native = read_json(Path(path) / "config.json").get("format") == "draftsmith"
-    drafter = load_eagle3(path, target) if native else load_eagle3_export(path, target)
+    drafter = load_drafter(path, "eagle3", target) if native else load_eagle3_export(path, target)
     return Eagle3Proposer(drafter, mode="tree" if tree else "chain", **options)
 
 
@@ -54,7 +55,7 @@ class Eagle3Proposer:
         self.device = drafter.fc.weight.device
         self.draft_ids = drafter.draft_to_target
 
-    # ---- the Drafter protocol ---------------------------------------------------------
+    # ---- the Proposer protocol ---------------------------------------------------------
 
     def begin(self, prompt_ids, ctx) -> None:
         self.cache = DraftKV()

@@ -8,25 +8,14 @@ given to the optimizer and never wrapped for training.
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.registry import method_spec, resolve
 from draftsmith.recipe import Recipe
-
-# method name -> module defining `Method` (a TrainMethod subclass)
-REGISTRY = {
-    "mtp": "draftsmith.train.method_mtp",
-    "draft_lm": "draftsmith.train.method_draft_lm",
-    "eagle3": "draftsmith.train.method_eagle3",
-    "dflash": "draftsmith.train.method_dflash",
-    "dspark": "draftsmith.train.method_dflash",
-}
-
 
 class TrainMethod:
     """Base class: subclasses set `model`, `train_data`, `eval_data` in __init__."""
@@ -52,10 +41,5 @@ class TrainMethod:
 
 def build_method(recipe: Recipe, device: torch.device) -> TrainMethod:
     name = recipe.method.name
-    if name not in REGISTRY:
-        raise DraftsmithError(f"method.name: unknown method {name!r} (known: {', '.join(REGISTRY)})")
-    try:
-        module = importlib.import_module(REGISTRY[name])
-    except ModuleNotFoundError as exc:
-        raise DraftsmithError(f"method {name!r} cannot be trained in this build ({exc.name} missing)") from None
-    return module.Method(recipe, device)
+    spec = method_spec(name, "training")
+    return resolve(spec.training, f"method {name!r} training")(recipe, device)

@@ -9,18 +9,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.fsutil import atomic_dir
-from draftsmith.models.export import save_mtp
-from draftsmith.models.mtp import MTPHeads, mtp_forward, mtp_losses
+from draftsmith.models.mtp import MTP_DIR, MTPDrafter, mtp_forward, mtp_losses
+from draftsmith.models.native import save_drafter
 from draftsmith.models.target import build_tiny_target, resolve_model_dir, target_forward
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
-from draftsmith.train.methods import TrainMethod
+from draftsmith.train.method import TrainMethod
 
 
 class TargetWithMTP(nn.Module):
     """The trainable unit: the target and its MTP heads, so one optimizer and one
     accelerate wrapper cover both and the MTP gradients reach the trunk."""
 
-    def __init__(self, target: nn.Module, heads: MTPHeads):
+    def __init__(self, target: nn.Module, heads: MTPDrafter):
         super().__init__()
         self.target = target
         self.heads = heads
@@ -46,7 +46,7 @@ def build_target(recipe, tokenizer) -> nn.Module:
     )
 
 
-class Method(TrainMethod):
+class MTPTraining(TrainMethod):
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
         self.tokenizer = load_tokenizer(recipe)
@@ -54,7 +54,7 @@ class Method(TrainMethod):
         target = build_target(recipe, self.tokenizer)
         if recipe.train.gradient_checkpointing:
             target.gradient_checkpointing_enable()
-        self.model = TargetWithMTP(target, MTPHeads.for_target(target, self.config.num_depths))
+        self.model = TargetWithMTP(target, MTPDrafter.for_target(target, self.config.num_depths))
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
         self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
 
@@ -80,5 +80,7 @@ class Method(TrainMethod):
         with atomic_dir(out_dir / "model") as tmp:
             model.target.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
-            save_mtp(model.heads, self.config, tmp)
+            model.heads.config = self.config  # the recipe's, lambdas included
+            save_drafter(model.heads, tmp / MTP_DIR, extra={"num_nextn_predict_layers": model.heads.num_depths,
+                                                            "shared": ["embed_tokens", "shared_head.head"]})
         return out_dir / "model"
