@@ -20,75 +20,80 @@ import yaml
 from draftsmith.errors import DraftsmithError
 from draftsmith.registry import config_class
 
+
+def option(default: Any, help: str) -> Any:
+    """A recipe field and its meaning, the one source `draftsmith recipe show` and the
+    docs print. Model configs use the same helper."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TargetSection:
-    # A folder or hub name of a frozen target. Empty: the tiny target, built from the
-    # fields below (the mtp recipe pretrains it; others need a path).
-    path: str = ""
-    arch: str = "llama"
-    num_layers: int = 8
-    hidden_size: int = 256
-    num_heads: int = 8
-    num_kv_heads: int = 1
-    intermediate_size: int = 0  # 0: derived from hidden_size
-    max_position_embeddings: int = 2048
-    dtype: str = "auto"  # dtype the frozen target is loaded in: auto, float32, bfloat16
-    attn_implementation: str = "sdpa"  # sdpa, eager, flash_attention_2
-    tile: int = 128  # verify kernel tile rows; sizes D and DFlash's block (DESIGN.md section 3)
+    path: str = option("", 'A folder or hub name of a frozen target. Empty: the tiny target, built from the fields below (the mtp recipe pretrains it; others need a path).')
+    arch: str = option("llama", "tiny target architecture: llama or qwen3")
+    num_layers: int = option(8, "tiny target: decoder layers")
+    hidden_size: int = option(256, "tiny target: hidden width")
+    num_heads: int = option(8, "tiny target: query heads")
+    num_kv_heads: int = option(1, "tiny target: KV heads (G = num_heads / num_kv_heads sizes D)")
+    intermediate_size: int = option(0, "tiny target: MLP width (0: derived from hidden_size)")
+    max_position_embeddings: int = option(2048, "tiny target: longest sequence it takes")
+    dtype: str = option("auto", 'dtype the frozen target is loaded in: auto, float32, bfloat16')
+    attn_implementation: str = option("sdpa", "the target's attention: sdpa, eager, flash_attention_2")
+    tile: int = option(128, "verify kernel tile rows; sizes D and DFlash's block (docs/design.md section 3)")
 
 
 @dataclass
 class DataSection:
-    dataset: str = "embedded"  # "embedded" (the stdlib corpus), a local json/jsonl/parquet/txt file, or a hub name
-    text_field: str = ""  # column of a plain-text corpus; empty: guessed
-    tokenizer: str = ""  # empty: the target's own, or one trained on the embedded corpus
-    vocab_size: int = 2048  # vocabulary of the tokenizer trained for the embedded default
-    max_chars: int = 0  # cap on the corpus characters read (0: all)
-    num_conversations: int = 256  # post-hoc methods on the embedded default: prompts to regenerate
-    prompt_chars: int = 384  # ... each an excerpt of this many characters (keep within train.seq_len)
-    regenerate: bool = True  # post-hoc methods: answer the prompts with the target itself
-    regen_max_new_tokens: int = 96
-    regen_temperature: float = 0.0
-    feature_cache: str = ""  # post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded
+    dataset: str = option("embedded", '"embedded" (the stdlib corpus), a local json/jsonl/parquet/txt file, or a hub name')
+    text_field: str = option("", 'column of a plain-text corpus; empty: guessed')
+    tokenizer: str = option("", "empty: the target's own, or one trained on the embedded corpus")
+    vocab_size: int = option(2048, 'vocabulary of the tokenizer trained for the embedded default')
+    max_chars: int = option(0, 'cap on the corpus characters read (0: all)')
+    num_conversations: int = option(256, 'post-hoc methods on the embedded default: prompts to regenerate')
+    prompt_chars: int = option(384, '... each an excerpt of this many characters (keep within train.seq_len)')
+    regenerate: bool = option(True, 'post-hoc methods: answer the prompts with the target itself')
+    regen_max_new_tokens: int = option(96, "regeneration: longest answer the target writes")
+    regen_temperature: float = option(0.0, "regeneration: sampling temperature (0: greedy)")
+    feature_cache: str = option("", 'post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded')
 
 
 @dataclass
 class TrainSection:
-    output_dir: str = "runs/default"
-    max_steps: int = 1000
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    adam_beta2: float = 0.95
-    batch_size: int = 8  # sequences per device per micro-step
-    grad_accum: int = 1
-    seq_len: int = 256
-    clip: float = 1.0
-    seed: int = 0
-    resume: bool = False
-    mixed_precision: str = "auto"  # auto (bf16 where the device has it), no, bf16, fp16
-    eval_every: int = 100
-    eval_batches: int = 4
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    gradient_checkpointing: bool = False
+    output_dir: str = option("runs/default", "the run folder: recipe.yaml, metrics.jsonl, checkpoints/, model/")
+    max_steps: int = option(1000, "optimizer steps")
+    lr: float = option(1e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = option(0.1, 'cosine decays to lr * min_lr_ratio')
+    warmup_ratio: float = option(0.04, "fraction of max_steps spent warming up linearly")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta2: float = option(0.95, "AdamW beta2")
+    batch_size: int = option(8, 'sequences per device per micro-step')
+    grad_accum: int = option(1, "micro-steps accumulated per optimizer step")
+    seq_len: int = option(256, "tokens per training row")
+    clip: float = option(1.0, "gradient norm clip")
+    seed: int = option(0, "seed of initialisation, data order and regeneration")
+    resume: bool = option(False, "continue from the latest checkpoint in output_dir")
+    mixed_precision: str = option("auto", 'auto (bf16 where the device has it), no, bf16, fp16')
+    eval_every: int = option(100, "validate every this many steps")
+    eval_batches: int = option(4, "validation batches per evaluation")
+    save_every: int = option(200, "checkpoint every this many steps")
+    keep_checkpoints: int = option(2, "checkpoints kept (older ones are deleted)")
+    log_every: int = option(10, "log metrics every this many steps")
+    gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
 
 
 @dataclass
 class EvalSection:
-    max_new_tokens: int = 64
-    num_prompts: int = 8
-    temperature: float = 0.0
-    num_draft: int = -1  # -1: the tile rule's D
+    max_new_tokens: int = option(64, "eval: tokens generated per prompt")
+    num_prompts: int = option(8, "eval: prompts decoded")
+    temperature: float = option(0.0, "eval: sampling temperature (0: greedy, checked token for token)")
+    num_draft: int = option(-1, "eval: drafts per verify (-1: the tile rule's D)")
 
 
 @dataclass
 class TrackingSection:
-    report_to: str = "wandb"  # wandb (offline unless WANDB_API_KEY is set), tensorboard, none
-    project: str = "draftsmith"
-    run_name: str = ""
+    report_to: str = option("wandb", 'wandb (offline unless WANDB_API_KEY is set), tensorboard, none')
+    project: str = option("draftsmith", "tracker project name")
+    run_name: str = option("", "tracker run name (empty: the output folder's name)")
 
 
 @dataclass
