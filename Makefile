@@ -2,9 +2,10 @@
 PYTHON ?= python3
 # Used only when no torch is importable: a machine with torch (a CUDA build, say) keeps it.
 TORCH_SPEC ?= torch==2.13.0
-STAMP := .install.stamp
+# One stamp per interpreter: CI installs into a venv per torch version (see .ci/run).
+STAMP ?= .install.stamp
 
-.PHONY: install test test-slow demo clean
+.PHONY: install test test-slow lint demo clean
 
 install: $(STAMP)
 
@@ -21,6 +22,10 @@ test: install
 
 test-slow: install
 	$(PYTHON) -m pytest -q -m slow
+
+# ruff's rules are in pyproject.toml ([tool.ruff]); `ruff check --fix .` repairs most of them.
+lint: install
+	$(PYTHON) -m ruff check .
 
 demo: install
 	bash scripts/demo.sh

@@ -29,21 +29,71 @@ _SHAREGPT_ROLES = {
 _OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 
 
-def load_conversations(path: str | Path, limit: int | None = None) -> list[Conversation]:
-    """The first `limit` records of `path` (all when None) as lists of messages."""
-    path = Path(path)
-    if not path.is_file():
-        raise DraftsmithError(f"{path}: conversation file not found")
+def load_conversations(path: str | Path, limit: int | None = None, config: str = "", split: str = "",
+                       columns: dict[str, str] | None = None) -> list[Conversation]:
+    """The first `limit` records of `path` (all when None) as lists of messages.
+
+    `path` is a local file, or a local dataset folder or hub dataset name read through
+    `datasets` (its `config` and `split`, default "train"). `columns` maps shapes to the
+    dataset's own column names ({"messages": "chosen"}): the column is read as that shape.
+    """
     if limit is not None and limit < 1:
         raise DraftsmithError(f"{path}: limit must be at least 1, got {limit}")
-    records = _read_with_datasets(path)
-    if records is None:
-        records = _read_plain(path)
+    if is_dataset(path):
+        records = _read_dataset(str(path), config, split or "train", limit)
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise DraftsmithError(f"{path}: conversation file not found")
+        records = _read_with_datasets(path)
+        if records is None:
+            records = _read_plain(path)
     if limit is not None:
         records = records[:limit]
     if not records:
         raise DraftsmithError(f"{path}: no records")
-    return [_to_messages(record, path, index) for index, record in enumerate(records)]
+    if not columns:
+        return [_to_messages(record, path, index) for index, record in enumerate(records)]
+    records = _map_columns(records, columns, path)
+    try:
+        return [_to_messages(record, path, index) for index, record in enumerate(records)]
+    except DraftsmithError as exc:  # say which mapping the rows do not fit
+        mapping = ", ".join(f"{shape}: {column}" for shape, column in columns.items())
+        raise DraftsmithError(f"{exc} (data.columns {{{mapping}}})") from None
+
+
+def is_dataset(path: str | Path) -> bool:
+    """A folder, or a name that is no local path (`HuggingFaceH4/ultrachat_200k`): a dataset."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return True
+    text = str(path)
+    return not (local.exists() or local.suffix or text.startswith((".", "/", "~")))
+
+
+def _read_dataset(spec: str, config: str, split: str, limit: int | None) -> list[dict]:
+    import datasets
+
+    from draftsmith.data.corpus import load_dataset_spec
+
+    with _quiet(datasets):
+        table = load_dataset_spec(spec, split, name=config or None)
+        if limit is not None:
+            table = table.select(range(min(limit, len(table))))
+        return table.to_list()
+
+
+def _map_columns(records: list[dict], columns: dict[str, str], path) -> list[dict]:
+    """Each record as {shape: its mapped column}; a mapping that misses the rows is named."""
+    unknown = sorted(set(columns) - set(SHAPES))
+    if unknown:
+        raise DraftsmithError(f"data.columns: unknown shape {unknown[0]!r} (shapes: {', '.join(SHAPES)})")
+    present = set().union(*(record.keys() for record in records))
+    for shape, column in columns.items():
+        if column not in present:
+            raise DraftsmithError(f"data.columns: {path} has no column {column!r} for {shape} "
+                                  f"(columns: {', '.join(sorted(present))})")
+    return [{shape: record.get(column) for shape, column in columns.items()} for record in records]
 
 
 def first_user_prompts(conversations: list[Conversation]) -> list[str]:
@@ -72,7 +122,10 @@ def _read_with_datasets(path: Path) -> list[dict] | None:
             return None
     if _has_json_feature(table.features):
         return None
-    return table.to_list()
+    try:
+        return table.to_list()
+    except UnicodeDecodeError:  # arrow keeps invalid UTF-8 until read: the plain reader names it
+        return None
 
 
 def _has_json_feature(feature) -> bool:
@@ -102,7 +155,10 @@ def _quiet(datasets):
 
 
 def _read_plain(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DraftsmithError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)

@@ -120,7 +120,7 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "
 _LOCAL_SLICES = {"train": "train[:90%]", "validation": "train[90%:95%]", "test": "train[95%:]"}
 
 
-def load_dataset_spec(spec: str, split: str = "train"):
+def load_dataset_spec(spec: str, split: str = "train", name: str | None = None):
     """A `datasets.Dataset` from a local file (json, jsonl, parquet, csv, text) or a hub name.
 
     A local file is read whole as the split "train" (slices such as "train[:95%]" carve it).
@@ -140,7 +140,7 @@ def load_dataset_spec(spec: str, split: str = "train"):
         if path.is_file():
             dataset = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split=split)
         else:  # a folder of data files, or a hub name when online
-            dataset = datasets.load_dataset(str(path) if path.exists() else spec, split=split)
+            dataset = datasets.load_dataset(str(path) if path.exists() else spec, name, split=split)
     except Exception as exc:  # datasets raises many types (hub, schema, Arrow); report the first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DraftsmithError(f"dataset {spec} (split {split!r}): {first}") from None

@@ -23,8 +23,9 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat import end_of_turn_ids, render_text, resolve_template
+from draftsmith.data.processes import Processes
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import ensure_writable_dir
+from draftsmith.fsutil import atomic_file, ensure_writable_dir
 
 
 def embedded_conversations(count: int, max_chars: int = 512, split: str = "train") -> list[list[dict]]:
@@ -66,6 +67,8 @@ class _Decoding:
     pad_id: int
     max_new_tokens: int
     temperature: float  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
 
 
 @torch.inference_mode()
@@ -77,7 +80,7 @@ def _generate(target, tokenizer, prompts: list[str], how: _Decoding) -> list[str
     # repetition penalty would change the distribution the drafters are later measured against.
     sampling = {"do_sample": how.temperature > 0, "repetition_penalty": 1.0}
     if how.temperature > 0:
-        sampling |= {"temperature": how.temperature, "top_k": 0, "top_p": 1.0}
+        sampling |= {"temperature": how.temperature, "top_k": how.top_k, "top_p": how.top_p}
     out = target.generate(**batch, max_new_tokens=how.max_new_tokens, eos_token_id=how.stop_ids,
                           pad_token_id=how.pad_id, **sampling)
     replies = []
@@ -97,9 +100,23 @@ def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, how: _
             histories[k] += turns[k][t]
         prompts = [render_text(tokenizer, histories[k], how.template, add_generation_prompt=how.template is not None)
                    for k in active]
+        _check_context(target, tokenizer, prompts, [first_index + k for k in active], how)
         for k, reply in zip(active, _generate(target, tokenizer, prompts, how)):
             histories[k].append({"role": "assistant", "content": reply})
     return histories
+
+
+def _check_context(target, tokenizer, prompts: list[str], indices: list[int], how: _Decoding) -> None:
+    """Refuse a prompt the target cannot answer within its positions (it would run, slowly,
+    into positions it never learned)."""
+    context = getattr(target.config, "max_position_embeddings", None)
+    if not context:
+        return
+    for index, text in zip(indices, prompts):
+        n = len(tokenizer(text, add_special_tokens=how.template is None)["input_ids"])
+        if n + how.max_new_tokens > context:
+            raise DraftsmithError(f"conversation {index}: a prompt of {n} tokens with max_new_tokens="
+                                  f"{how.max_new_tokens} exceeds the target's context of {context}")
 
 
 def _resume_point(partial: Path, batch_size: int, total: int) -> int:
@@ -129,12 +146,16 @@ def _is_json(line: bytes) -> bool:
 
 def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path,
                max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
-               chat_template: str | None = None, plain: bool = False) -> Path:
+               chat_template: str | None = None, plain: bool = False, top_p: float = 1.0, top_k: int = 0,
+               processes: Processes | None = None) -> Path:
     """Write `conversations` to `out_path` (JSON Lines of `{"messages": [...]}`) with target replies.
 
     `temperature` 0 decodes greedily; above 0 it samples from the target's distribution at
-    that temperature (no top-k or top-p), seeded per batch from `seed`. `plain=True`
+    that temperature, restricted by `top_k` (0: off) and `top_p` (1: off), seeded per batch
+    from `seed`, so the same seed gives the same file. `plain=True`
     prompts with the concatenated contents instead of the chat template (see data/chat.py).
+    `processes` (data/processes.py) deals the batches to the processes of a launch, each
+    writing its own partial file; the main process merges them into `out_path`.
     """
     out_path = Path(out_path)
     if not conversations:
@@ -142,21 +163,70 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
     if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
         raise DraftsmithError(f"regenerate: batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) "
                               f"must be positive and temperature ({temperature}) not negative")
+    if not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise DraftsmithError(f"regenerate: top_p ({top_p}) must be in (0, 1] and top_k ({top_k}) not negative")
     template = None if plain else resolve_template(tokenizer, chat_template)
     stop_ids = stop_token_ids(target, tokenizer, chat_template, plain)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    how = _Decoding(template, stop_ids, pad_id, max_new_tokens, temperature)
+    how = _Decoding(template, stop_ids, pad_id, max_new_tokens, temperature, top_p, top_k)
     # The embedding sum tells a retrained target from the one that wrote an old partial file.
     weights = float(target.get_input_embeddings().weight.detach().double().sum())
     settings = json.dumps([getattr(target, "name_or_path", ""), weights, conversations, max_new_tokens,
-                           temperature, seed, batch_size, template], sort_keys=True)
+                           temperature, seed, batch_size, template, top_p, top_k], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:12]
     partial = ensure_writable_dir(out_path.parent) / f".{out_path.name}.{key}.partial"
 
-    done = _resume_point(partial, batch_size, len(conversations))
+    for index, messages in enumerate(conversations):  # a bad record fails before a partial file exists
+        _user_turns(messages, index)
+    procs = processes or Processes()
+    starts = [s for s in range(0, len(conversations), batch_size) if procs.mine(s // batch_size)]
+    mine = sum(len(conversations[s:s + batch_size]) for s in starts)
+    if procs.world > 1:
+        partial = partial.with_name(f"{partial.name}.rank{procs.rank}of{procs.world}")
+    done = _resume_point(partial, batch_size, mine)
+    # Whole batches are done, or all of this process's (its last batch may be short).
+    todo = starts[len(starts) if done >= mine else done // batch_size:]
+    try:
+        _append_batches(target, tokenizer, conversations, partial, done, how, seed, batch_size, todo, mine,
+                        show=procs.main)
+    except BaseException:
+        if partial.exists() and partial.stat().st_size == 0:  # nothing to resume: leave nothing behind
+            partial.unlink()
+        raise
+    if procs.world == 1:
+        os.replace(partial, out_path)
+        return out_path
+    procs.barrier()
+    if procs.main:
+        sizes = [len(conversations[s:s + batch_size]) for s in range(0, len(conversations), batch_size)]
+        _merge_processes(partial, procs.world, sizes, out_path)
+    procs.barrier()
+    return out_path
+
+
+def _merge_processes(partial: Path, world: int, batch_sizes: list[int], out_path: Path) -> None:
+    """The processes' partial files as one, batch b taken from process b % world."""
+    parts = [partial.with_name(partial.name.replace(f".rank0of{world}", f".rank{r}of{world}")) for r in range(world)]
+    lines = [part.read_bytes().splitlines(keepends=True) for part in parts]
+    taken, merged = [0] * world, []
+    for b, size in enumerate(batch_sizes):
+        r = b % world
+        merged += lines[r][taken[r]:taken[r] + size]
+        taken[r] += size
+    if taken != [len(part) for part in lines]:
+        raise DraftsmithError(f"regenerate: the processes' files {parts[0].name} ... hold {[len(x) for x in lines]} "
+                              f"records, not the {taken} of their batches")
+    with atomic_file(out_path, "wb") as handle:
+        handle.write(b"".join(merged))
+    for part in parts:
+        part.unlink()
+
+
+def _append_batches(target, tokenizer, conversations, partial: Path, done: int, how: _Decoding, seed: int,
+                    batch_size: int, starts: list[int], total: int, show: bool = True) -> None:
     with partial.open("a", encoding="utf-8") as handle, \
-            tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conv") as bar:
-        for start in range(done, len(conversations), batch_size):
+            tqdm(total=total, initial=done, desc="regenerate", unit="conv", disable=not show) as bar:
+        for start in starts:
             batch = conversations[start:start + batch_size]
             with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
                 torch.manual_seed(seed + start)
@@ -165,31 +235,43 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
             handle.flush()
             os.fsync(handle.fileno())
             bar.update(len(batch))
-    os.replace(partial, out_path)
-    return out_path
 
 
 def regenerate_command(target: str, dataset: str | None, out: str, max_new_tokens: int = 256,
                        temperature: float = 0.0, batch_size: int = 8, limit: int | None = None,
-                       seed: int = 0) -> Path:
+                       seed: int = 0, top_p: float = 1.0, top_k: int = 0, servers: list[str] = (),
+                       in_flight: int = 16, target_name: str = "", dataset_config: str = "",
+                       dataset_split: str = "", columns: dict[str, str] | None = None) -> Path:
     """`draftsmith data regenerate`: a target folder (with its tokenizer) answers a conversation file.
 
     With no dataset, the prompts are `limit` (default 256) excerpts of the embedded corpus
-    and the target continues them as plain text, as it was pretrained.
+    and the target continues them as plain text, as it was pretrained. With `servers`, the
+    target is not loaded: the servers (which must serve it, as `target_name` or its folder)
+    answer; else every process of an `accelerate launch` answers its share.
     """
-    from transformers import AutoTokenizer
-
     from draftsmith.data.conversations import load_conversations
+    from draftsmith.data.processes import current_processes
+    from draftsmith.data.tokenizer import load_pretrained_tokenizer
     from draftsmith.models.target import load_target
 
-    model = load_target(target, device="cuda" if torch.cuda.is_available() else None)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(target))
-    except (OSError, ValueError) as exc:
-        raise DraftsmithError(f"cannot load the tokenizer of target {target}: {str(exc).splitlines()[0]}") from None
+    tokenizer = load_pretrained_tokenizer(target)
     if dataset:
-        conversations = load_conversations(dataset, limit)
+        conversations = load_conversations(dataset, limit, config=dataset_config, split=dataset_split,
+                                           columns=columns)
     else:
-        conversations = embedded_conversations(limit or 256)
+        if limit is not None and limit < 1:
+            raise DraftsmithError(f"regenerate: --limit must be at least 1, got {limit}")
+        conversations = embedded_conversations(256 if limit is None else limit)
+    if servers:
+        from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
+
+        sampling = sampling_for(target, tokenizer, not dataset, max_new_tokens, temperature, top_p, top_k, seed)
+        return regenerate_via_servers(list(servers), tuple(n for n in (target_name, str(target)) if n), tokenizer,
+                                      conversations, out, sampling, plain=not dataset,
+                                      limits=Limits(in_flight=in_flight))
+    processes = current_processes()
+    model = load_target(target, device=processes.device or ("cuda" if torch.cuda.is_available() else None))
     return regenerate(model, tokenizer, conversations, out, max_new_tokens=max_new_tokens,
-                      temperature=temperature, seed=seed, batch_size=batch_size, plain=not dataset)
+                      temperature=temperature, seed=seed, batch_size=batch_size, plain=not dataset,
+                      top_p=top_p, top_k=top_k, processes=processes)
+

@@ -73,3 +73,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path |
         with atomic_dir(out_dir) as tmp:
             tokenizer.save_pretrained(tmp)
     return tokenizer
+
+
+def load_pretrained_tokenizer(source: str | Path, what: str = "target"):
+    """AutoTokenizer.from_pretrained with one line naming `source` for whatever a missing or
+    corrupt tokenizer file makes transformers or tokenizers raise."""
+    from transformers import AutoTokenizer
+
+    text = str(source)
+    if not Path(text).exists() and (Path(text).is_absolute() or text.startswith(".") or text.count("/") > 1):
+        raise DraftsmithError(f"{what} {source}: no such folder (nor a hub name)")
+    try:
+        return AutoTokenizer.from_pretrained(text)
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+        raise DraftsmithError(f"cannot load the tokenizer of {what} {source}: "
+                              f"{' '.join(lines) or type(exc).__name__}") from None

@@ -7,6 +7,7 @@ error the temporary is removed and whatever was at the destination before is unt
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
@@ -29,25 +30,59 @@ def ensure_writable_dir(path: str | os.PathLike) -> Path:
     return path
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def clean_stale(dest: str | os.PathLike) -> list[Path]:
+    """Remove what an interrupted atomic write of `dest` left beside it: `.NAME.tmp-PID-*`
+    and `.NAME.old-PID` whose process has ended. Names carry the writer's PID so that a
+    write still under way (in another process) is never touched."""
+    dest = Path(dest)
+    removed = []
+    for path in dest.parent.glob(f".{glob.escape(dest.name)}.*-*"):
+        kind, _, rest = path.name[len(dest.name) + 2:].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            _remove(path)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(dest: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary folder that becomes `dest` only if the block succeeds."""
     dest = Path(dest)
     ensure_writable_dir(dest.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    clean_stale(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if dest.exists():
+    if dest.exists() or dest.is_symlink():
         if not replace:
             shutil.rmtree(tmp, ignore_errors=True)
             raise DraftsmithError(f"{dest} already exists")
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.rename(dest, old)
         os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     else:
         os.rename(tmp, dest)
 
@@ -57,7 +92,8 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
     """Yield an open file whose contents replace `dest` only if the block succeeds."""
     dest = Path(dest)
     ensure_writable_dir(dest.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    clean_stale(dest)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent)
     try:
         with os.fdopen(fd, mode) as handle:
             yield handle
@@ -66,6 +102,19 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def check_replaceable(dest: str | os.PathLike, marker: str, what: str) -> None:
+    """Refuse an --out that writing `what` there would destroy: only an absent or empty
+    folder, or a previous `what` (a folder holding `marker`), may be replaced, as a whole."""
+    dest = Path(dest)
+    if not (dest.exists() or dest.is_symlink()):
+        return
+    if not dest.is_dir() or dest.is_symlink():
+        raise DraftsmithError(f"--out {dest} exists and is not a folder; give a new folder or a previous {what}")
+    if any(dest.iterdir()) and not (dest / marker).is_file():
+        raise DraftsmithError(f"--out {dest} is a folder that holds no {marker} (not a previous {what}); "
+                              "refusing to replace it: give a new folder")
 
 
 def write_json(dest: str | os.PathLike, obj) -> None:

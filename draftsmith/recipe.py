@@ -18,13 +18,8 @@ from typing import Any, Union
 import yaml
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fields import option
 from draftsmith.registry import config_class
-
-
-def option(default: Any, help: str) -> Any:
-    """A recipe field and its meaning, the one source `draftsmith recipe show` and the
-    docs print. Model configs use the same helper."""
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -44,7 +39,8 @@ class TargetSection:
 
 @dataclass
 class DataSection:
-    dataset: str = option("embedded", '"embedded" (the stdlib corpus), a local json/jsonl/parquet/txt file, or a hub name')
+    dataset: str = option("embedded", '"embedded" (the stdlib corpus), a local json/jsonl/parquet/txt file, '
+                                      'a dataset folder, or a hub name')
     text_field: str = option("", 'column of a plain-text corpus; empty: guessed')
     tokenizer: str = option("", "empty: the target's own, or one trained on the embedded corpus")
     vocab_size: int = option(2048, 'vocabulary of the tokenizer trained for the embedded default')
@@ -53,7 +49,18 @@ class DataSection:
     prompt_chars: int = option(384, '... each an excerpt of this many characters (keep within train.seq_len)')
     regenerate: bool = option(True, 'post-hoc methods: answer the prompts with the target itself')
     regen_max_new_tokens: int = option(96, "regeneration: longest answer the target writes")
-    regen_temperature: float = option(0.0, "regeneration: sampling temperature (0: greedy)")
+    # Sampled, as the references regenerate (SpecForge 0.7-0.8; DSpark's data 0.7 / 0.8 / 20):
+    # a drafter trained on greedy answers never sees the target's other likely tokens.
+    regen_temperature: float = option(0.7, "regeneration: sampling temperature (0: greedy)")
+    regen_top_p: float = option(0.8, "regeneration: nucleus sampling mass (1: off)")
+    regen_top_k: int = option(20, "regeneration: sample among this many likeliest tokens (0: off)")
+    regen_servers: list[str] = option([], "regeneration: OpenAI-compatible server URLs (vLLM, SGLang, TGI, "
+                                          "transformers serve) to answer through instead of in-process generate")
+    regen_in_flight: int = option(16, "regeneration through servers: requests in flight per server")
+    dataset_config: str = option("", "a hub or local dataset folder: its config name (empty: the default)")
+    dataset_split: str = option("train", "a hub or local dataset folder: the split read")
+    columns: dict[str, str] = option({}, "a dataset's columns by shape, e.g. {messages: chosen}; shapes: "
+                                         "turns, conversations, messages, prompt")
     feature_cache: str = option("", 'post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded')
 
 
@@ -71,7 +78,7 @@ class TrainSection:
     seq_len: int = option(256, "tokens per training row")
     clip: float = option(1.0, "gradient norm clip")
     seed: int = option(0, "seed of initialisation, data order and regeneration")
-    resume: bool = option(False, "continue from the latest checkpoint in output_dir")
+    resume: bool | str = option(False, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
     mixed_precision: str = option("auto", 'auto (bf16 where the device has it), no, bf16, fp16')
     eval_every: int = option(100, "validate every this many steps")
     eval_batches: int = option(4, "validation batches per evaluation")
@@ -98,8 +105,8 @@ class TrackingSection:
 
 @dataclass
 class MethodSection:
-    name: str = "mtp"
-    params: dict[str, Any] = field(default_factory=dict)  # only the keys the recipe set
+    name: str = option("mtp", "the drafter to train; the section's other keys are its config's fields")
+    params: dict[str, Any] = option({}, "only the keys the recipe set (the config derives the rest)")
 
     def config_class(self) -> type:
         return method_config_class(self.name)
@@ -133,9 +140,9 @@ def _coerce(value: Any, tp, key: str) -> Any:
     """Check `value` against the annotation `tp`, converting only where lossless."""
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(tp):
+        for choice in typing.get_args(tp):
             try:
-                return _coerce(value, option, key)
+                return _coerce(value, choice, key)
             except DraftsmithError:
                 continue
         raise DraftsmithError(f"{key}: expected {_type_name(tp)}, got {value!r}")
@@ -251,11 +258,13 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise DraftsmithError(f"recipe {path} not found")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise DraftsmithError(f"recipe {path} is not valid YAML{where}") from None
+    if data is None:  # an empty file would otherwise launch the full default run
+        raise DraftsmithError(f"recipe {path} is empty (start from one in recipes/)")
     if not isinstance(data, dict):
         raise DraftsmithError(f"recipe {path}: expected a mapping at the top level")
     return data
@@ -268,9 +277,46 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         key, value = parse_override(text)
         _set_path(data, key, value)
     try:
-        return recipe_from_dict(data)
+        recipe = recipe_from_dict(data)
+        validate(recipe)
+        return recipe
     except DraftsmithError as exc:
         raise DraftsmithError(f"{path}: {exc}" if path else str(exc)) from None
+
+
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+
+
+def validate(recipe: Recipe) -> None:
+    """Values a type check lets through but a run cannot use, refused before anything starts
+    (a zero `*_every` would otherwise fail only after the first step, as a ZeroDivisionError)."""
+    t, target = recipe.train, recipe.target
+    at_least = {
+        "train.max_steps": (t.max_steps, 1), "train.batch_size": (t.batch_size, 1), "train.grad_accum": (t.grad_accum, 1),
+        "train.seq_len": (t.seq_len, 2), "train.eval_every": (t.eval_every, 1), "train.save_every": (t.save_every, 1),
+        "train.log_every": (t.log_every, 1), "train.eval_batches": (t.eval_batches, 0),
+        "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.lr": (t.lr, 0), "train.clip": (t.clip, 0),
+        "train.weight_decay": (t.weight_decay, 0), "target.num_layers": (target.num_layers, 1),
+        "target.hidden_size": (target.hidden_size, 1), "target.num_heads": (target.num_heads, 1),
+        "target.num_kv_heads": (target.num_kv_heads, 1),
+        "target.max_position_embeddings": (target.max_position_embeddings, 1),
+        "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
+    }
+    # A method's counts (num_depths, num_layers, num_heads, ...): None means derived, else at least 1.
+    at_least |= {f"method.{k}": (v, 1) for k, v in recipe.method.params.items()
+                 if k.startswith("num_") and isinstance(v, int) and not isinstance(v, bool)}
+    for key, (value, low) in at_least.items():
+        if value < low:
+            raise DraftsmithError(f"{key}: must be at least {low}, got {value}")
+    for key, value in (("train.warmup_ratio", t.warmup_ratio), ("train.min_lr_ratio", t.min_lr_ratio),
+                       ("train.adam_beta2", t.adam_beta2)):
+        if not 0 <= value <= 1:
+            raise DraftsmithError(f"{key}: must be between 0 and 1, got {value}")
+    if t.mixed_precision not in MIXED_PRECISION:
+        raise DraftsmithError(f"train.mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, "
+                              f"got {t.mixed_precision!r}")
+    if isinstance(t.resume, str) and not t.resume:
+        raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
 
 
 def dump_recipe(recipe: Recipe) -> str:

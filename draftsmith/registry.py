@@ -52,6 +52,10 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         proposer="draftsmith.eval.proposers.mtp:load_proposer",
         config="draftsmith.models.mtp:MTPConfig", model="draftsmith.models.mtp:MTPDrafter",
         training="draftsmith.train.mtp:MTPTraining",
+        # DeepSeek-style targets only: engines run MTP just for architectures that declare it.
+        exports={"deepseek": "draftsmith.models.export_mtp:export_deepseek"},
+        # Default: the engines' chain (one row per draft); mtp_exact: DeepSeek's depths, recomputed.
+        variants={"mtp_exact": {"mode": "exact"}},
     ),
     MethodSpec(
         "eagle3", "EAGLE-3: one decoder layer over three fused target layers, trained with TTT",
@@ -74,7 +78,8 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         proposer="draftsmith.eval.proposers.dflash:load_dspark_proposer",
         config="draftsmith.models.dspark:DSparkConfig", model="draftsmith.models.dspark:DSparkDrafter",
         training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
-        exports={"dspark": "draftsmith.models.export_dflash:export_dspark_folder", "native": _NATIVE_EXPORT},
+        exports={"specforge": "draftsmith.models.export_dflash:export_specforge",
+                 "deepspec": "draftsmith.models.export_dflash:export_deepspec", "native": _NATIVE_EXPORT},
     ),
 )}
 

@@ -44,11 +44,13 @@ from draftsmith.models.tile import plan_tile
 from draftsmith.models.target import (
     CompiledVerify,
     cache_length,
+    check_capturable,
     crop_cache,
     keep_cache_rows,
     new_cache,
     new_static_cache,
     target_forward,
+    tree_cache_problem,
 )
 
 CACHE_KINDS = ("dynamic", "static")
@@ -56,7 +58,7 @@ CACHE_KINDS = ("dynamic", "static")
 
 def default_num_draft(config, tile: int = 128, tp: int = 1) -> int:
     """Drafts per verify that keep it in one attention tile: D = max(0, tile // G - 1),
-    G the query heads per KV head (the tile planner, DESIGN.md section 3)."""
+    G the query heads per KV head (the tile planner, docs/design.md section 3)."""
     fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     return plan_tile(fields, tile, tp).D
 
@@ -252,6 +254,7 @@ class SpeculativeDecoder:
         self.eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.device = next(target.parameters()).device
         self._capture = tuple(sorted(set(drafter.capture_layers)))
+        check_capturable(target, self._capture, f"drafter {getattr(drafter, 'name', type(drafter).__name__)}")
         self._tree_mask = _TreeMask(next(target.parameters()).dtype, self.device)
         self._plain: SpeculativeDecoder | None = None
         self._compiled = CompiledVerify(target, self._capture) if self.compile else None
@@ -442,8 +445,9 @@ class SpeculativeDecoder:
                 f"tree drafts need a 4D attention mask, which attn_implementation={impl!r} ignores; "
                 "use 'sdpa' or 'eager'"
             )
-        if any(getattr(cache, "is_sliding", ())):
-            raise DraftsmithError("tree drafts need a full-attention KV cache; this target has sliding-window layers")
+        problem = tree_cache_problem(cache)
+        if problem:
+            raise DraftsmithError(f"tree drafts need a full-attention KV cache; {problem}")
 
     @staticmethod
     def _single_sequence(prompt_ids) -> torch.Tensor:

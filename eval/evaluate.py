@@ -16,7 +16,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.proposers import parse_spec, proposer_from_spec
-from draftsmith.eval.report import format_table, speedup_bound, write_index, write_report
+from draftsmith.eval.report import check_report_dest, format_table, speedup_bound, write_index, write_report
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.tile import plan_tile, read_target_config
 from draftsmith.models.target import resolve_model_dir
@@ -37,6 +37,8 @@ class EvalSettings:
     drafters: list[str] = field(default_factory=list)
     cache: str = "dynamic"  # the target's KV cache: "dynamic" or "static"
     compile: bool = False  # the verify forward under torch.compile (CUDA graphs on CUDA); static cache only
+    # Per-run proposer options by method name, e.g. {"dspark": {"confidence_threshold": 0.3}}.
+    proposer_options: dict[str, dict] = field(default_factory=dict)
 
 
 def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Tensor]:
@@ -61,7 +63,8 @@ def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Te
     for i, row in enumerate(ids):
         if len(row) + settings.max_new_tokens > context:
             raise DraftsmithError(f"dataset {settings.dataset}: prompt {i} has {len(row)} tokens; with "
-                                  f"max_new_tokens={settings.max_new_tokens} that exceeds the target's context of {context}")
+                                  f"max_new_tokens={settings.max_new_tokens} that exceeds the target's context "
+                                  f"(less the drafts of a verify pass) of {context}")
     return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
@@ -88,9 +91,8 @@ def _tokens_per_s(stats: DecodeStats, outputs: list[list[int]]) -> float:
 def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Path) -> list[dict]:
     """One report per temperature; with several, each in its own subfolder `t<temperature>`
     and an index `report.md` with their tables. The folder is written whole or not at all."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from draftsmith.models.target import freeze
+    from draftsmith.data.tokenizer import load_pretrained_tokenizer
+    from draftsmith.models.target import load_target
 
     if not settings.drafters:
         raise DraftsmithError("eval: give at least one --drafter")
@@ -99,18 +101,26 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     if settings.compile and settings.cache != "static":
         raise DraftsmithError("eval: --compile needs --cache static (a compiled graph replays fixed shapes at fixed "
                               "addresses)")
-    for spec in settings.drafters:  # cheap checks before any model is loaded
+    check_report_dest(out_dir)  # cheap checks before any model is loaded
+    if settings.max_new_tokens < 1 or settings.num_prompts < 1:
+        raise DraftsmithError(f"eval: --max-new-tokens ({settings.max_new_tokens}) and --num-prompts "
+                              f"({settings.num_prompts}) must be at least 1")
+    if settings.num_draft is not None and settings.num_draft < 1:
+        raise DraftsmithError(f"eval: --num-draft must be at least 1, or -1 for the tile rule; got {settings.num_draft}")
+    for spec in settings.drafters:
         parse_spec(spec)
     for t in settings.temperatures:
         SamplingParams(t, settings.top_k, settings.top_p)  # validates
     folder = resolve_model_dir(target_path, require="target")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = freeze(AutoModelForCausalLM.from_pretrained(str(folder)).to(device))
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    target = load_target(folder, device=device)
+    tokenizer = load_pretrained_tokenizer(folder)
     plan = plan_tile(read_target_config(folder), tile=settings.tile)
     num_draft = plan.D if settings.num_draft is None else settings.num_draft
-    prompts = prompt_ids(tokenizer, settings, target.config.max_position_embeddings)
-    drafters = [proposer_from_spec(spec, target) for spec in settings.drafters]  # fail before any decoding
+    # A verify pass writes num_draft positions past the last committed token.
+    prompts = prompt_ids(tokenizer, settings, target.config.max_position_embeddings - num_draft)
+    drafters = [proposer_from_spec(spec, target, settings.proposer_options)  # fail before any decoding
+                for spec in settings.drafters]
 
     runs = []
     for temperature in settings.temperatures:

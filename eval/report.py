@@ -20,7 +20,7 @@ The results a benchmark hands to `write_report` (report.json is this dict as giv
     prompts:  [{prompt_ids: [...], outputs: {drafter name or "baseline": [ids]}}]   optional
 
 Times are milliseconds. tau follows EAGLE, SGLang, SpecForge, DFlash and Spec-Bench: the
-bonus (or resampled) token counts, so plain decoding scores 1 (DESIGN.md section 4).
+bonus (or resampled) token counts, so plain decoding scores 1 (docs/design.md section 4).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import math
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, write_json
+from draftsmith.fsutil import atomic_dir, check_replaceable, write_json
 
 _REQUIRED = {
     "target": ("path", "H", "KV", "G", "tile", "D"),
@@ -59,6 +59,11 @@ def speedup_bound(tau: float, t_target: float, t_draft: float, t_verify: float) 
     if t_draft + t_verify <= 0:
         raise DraftsmithError(f"T_draft + T_verify must be positive, got {t_draft} + {t_verify}")
     return tau * t_target / (t_draft + t_verify)
+
+
+def check_report_dest(out_dir: str | Path) -> None:
+    """Refuse an --out that a report would destroy (see fsutil.check_replaceable)."""
+    check_replaceable(out_dir, "report.json", "report")
 
 
 def write_report(results: dict, out_dir: str | Path) -> Path:

@@ -36,9 +36,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fields import option
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
-from draftsmith.models.tile import plan_tile
+from draftsmith.models.tile import auto_block, plan_tile
+from draftsmith.models.target import target_shape
 
 # Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
 # drafts). Keyed by drafts so that DSpark's convention gets the same decay per draft.
@@ -46,11 +48,12 @@ _GAMMA_BY_DRAFTS = ((7, 4.0), (9, 5.0), (15, 7.0))
 
 
 def default_gamma(num_drafts: int) -> float:
-    """Piecewise-linear through the published points, extended linearly past both ends."""
+    """Piecewise-linear through the published points, extended linearly below them and
+    capped at the largest published gamma, 7 (a recipe may set more)."""
     pts = _GAMMA_BY_DRAFTS
     i = 0 if num_drafts <= pts[1][0] else 1
     (x0, y0), (x1, y1) = pts[i], pts[i + 1]
-    return max(1.0, y0 + (num_drafts - x0) * (y1 - y0) / (x1 - x0))
+    return min(pts[-1][1], max(1.0, y0 + (num_drafts - x0) * (y1 - y0) / (x1 - x0)))
 
 
 def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
@@ -67,39 +70,43 @@ def tile_draft_budget(target_config, tile: int = 128) -> tuple[int, int]:
 
 
 def auto_block_size(target_config, tile: int = 128, first_prediction_slot: int = 1) -> int:
-    """The block that fills one verify tile: 1 + D for DFlash, D for DSpark."""
-    group, budget = tile_draft_budget(target_config, tile)
+    """The block that fills one verify tile, 1 + D for DFlash and D for DSpark, but never
+    past 16, the largest published DFlash block (`models.tile.auto_block`); a recipe that
+    sets block_size gets what it sets."""
+    plan = plan_tile(target_config, tile)
+    group, budget = plan.G, plan.D
     if budget == 0:
         raise DraftsmithError(
             f"block_size auto: no room for drafts, G = {group} query heads per KV head fill the "
             f"{tile}-row tile with the root token alone; a tile of {2 * group} rows would fit one draft"
         )
-    return budget + first_prediction_slot
+    return auto_block(plan, first_prediction_slot)
 
 
 @dataclass
 class DFlashConfig:
     """Fields left None are derived from the target by `from_target`."""
 
-    hidden_size: int | None = None  # the drafter's width; default the target's
-    target_hidden_size: int | None = None
-    num_target_layers: int | None = None
-    vocab_size: int | None = None  # the target's (shared embedding and head)
-    num_layers: int | None = None  # 5, fewer for shallow targets
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    intermediate_size: int | None = None
-    rms_norm_eps: float | None = None
-    rope_theta: float | None = None
-    max_position_embeddings: int | None = None
-    block_size: int | str = "auto"  # B; "auto": fill one verify tile
-    allow_large_block: bool = False  # silence the warning for B past the tile rule
-    target_layer_ids: list[int] | None = None  # "output of layer i", 0-based
-    mask_token_id: int | None = None
-    gamma: float | None = None  # loss decay over draft positions
-    num_anchors: int = 512  # blocks per sequence in one training pass
-    attention_backend: str = "sdpa"  # training attention: sdpa, flex, auto (models/attention.py)
+    hidden_size: int | None = option(None, "the drafter's width (None: the target's)")
+    target_hidden_size: int | None = option(None, "the target's hidden width (None: read from the target)")
+    num_target_layers: int | None = option(None, "the target's decoder layers (None: read from the target)")
+    vocab_size: int | None = option(None, "the target's vocabulary: shared embedding and head (None: read)")
+    num_layers: int | None = option(None, "drafter layers (None: 5, fewer for shallow targets)")
+    num_heads: int | None = option(None, "query heads (None: the target's)")
+    num_kv_heads: int | None = option(None, "KV heads (None: the target's)")
+    head_dim: int | None = option(None, "per-head width (None: the target's)")
+    intermediate_size: int | None = option(None, "MLP width (None: the target's)")
+    rms_norm_eps: float | None = option(None, "RMSNorm epsilon (None: the target's)")
+    rope_theta: float | None = option(None, "RoPE base (None: the target's)")
+    max_position_embeddings: int | None = option(None, "longest position (None: the target's)")
+    block_size: int | str = option("auto", "B, the block drafted in one forward; auto: fill one verify tile")
+    allow_large_block: bool = option(False, "silence the warning for B past the tile rule")
+    target_layer_ids: list[int] | None = option(
+        None, 'target layers read, "output of layer i", 0-based (None: spread over its depth)')
+    mask_token_id: int | None = option(None, "token id of the block's mask slots (None: the target's, else the tokenizer's)")
+    gamma: float | None = option(None, "loss decay over draft positions, exp(-(j-1)/gamma) (None: DFlash's, by drafts per block)")
+    num_anchors: int = option(512, "blocks per sequence in one training pass")
+    attention_backend: str = option("sdpa", "training attention: sdpa, flex, auto (models/attention.py)")
 
     # Draft j is read from slot j - 1 + first_prediction_slot (module docstring).
     @property
@@ -120,15 +127,13 @@ class DFlashConfig:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise DraftsmithError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}")
-        t = target_config
-        heads = t.num_attention_heads
+        t, shape = target_config, target_shape(target_config)  # shape: the fields every config spells alike
         rope = getattr(t, "rope_parameters", None) or {}
         derived = dict(
-            hidden_size=t.hidden_size, target_hidden_size=t.hidden_size, num_target_layers=t.num_hidden_layers,
-            vocab_size=t.vocab_size, num_layers=min(5, max(1, t.num_hidden_layers // 4)),
-            num_heads=heads, num_kv_heads=getattr(t, "num_key_value_heads", None) or heads,
-            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
-            intermediate_size=t.intermediate_size, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
+            hidden_size=shape.hidden_size, target_hidden_size=shape.hidden_size, num_target_layers=shape.num_layers,
+            vocab_size=shape.vocab_size, num_layers=min(5, max(1, shape.num_layers // 4)),
+            num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            intermediate_size=shape.intermediate_size, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta") or getattr(t, "rope_theta", None) or 10000.0,
             max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
             mask_token_id=getattr(t, "mask_token_id", None),

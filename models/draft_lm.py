@@ -12,16 +12,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draftsmith.fields import option
+
 
 @dataclass
 class DraftLMConfig:
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_heads: int = 4
-    num_kv_heads: int = 1
-    intermediate_size: int = 0  # 0: derived from hidden_size
-    distill_weight: float = 0.0  # weight of KL(target || draft) beside the LM loss
-    distill_temperature: float = 1.0
+    num_layers: int = option(2, "decoder layers of the draft LM")
+    hidden_size: int = option(128, "hidden width")
+    num_heads: int = option(4, "query heads")
+    num_kv_heads: int = option(1, "KV heads")
+    intermediate_size: int = option(0, "MLP width (0: derived from hidden_size)")
+    distill_weight: float = option(0.0, "weight of KL(target || draft) beside the LM loss (0: pretraining only)")
+    distill_temperature: float = option(1.0, "softmax temperature of both distributions in the KL term")
 
 
 def distill_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,

@@ -12,9 +12,12 @@ exactly on the same tokens. W2 starts at zero: an untrained refiner leaves the b
 drafts unchanged.
 
 Confidence head: sigmoid(w . [h_k; W1[x_{k-1}]]) predicts whether draft k is accepted,
-given that the drafts before it were. The decoder may stop a draft once the predicted
-prefix acceptance prod_{j<=k} falls below a threshold: the rows it would not have kept
-are not verified. Acceptance stays exact either way; only the draft length changes.
+given that the drafts before it were. As in DeepSpec's decoder, a draft may end before
+the first position whose own confidence is below a threshold (not the running product
+of confidences); the rows it would not have kept are not verified. The default
+threshold is DeepSpec's, 0: the full block, because at the tile rule's D the verify rows
+are free at batch 1 and stopping early can only lose accepted tokens there. Acceptance
+stays exact either way; only the draft length changes.
 
 Loss: 0.1*CE + 0.9*TV + 1.0*BCE with DFlash's position weights. TV is the L1 distance
 ||p_draft - p_target||_1 (twice the total variation); under rejection sampling draft k is
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fields import option
 from draftsmith.models.dflash import (
     DFlashConfig, DFlashDrafter, greedy_metrics, position_weights, weighted_mean,
 )
@@ -44,18 +48,19 @@ HEADS = ("markov_head.", "confidence_head.")  # parameter prefixes outside the b
 
 @dataclass
 class DSparkConfig(DFlashConfig):
-    markov_rank: int | None = None  # r; None: 256, or hidden_size // 4 when smaller
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    bce_weight: float = 1.0
-    # Stop a draft before the first position whose predicted prefix acceptance is below
-    # this; 0 drafts the full block.
-    confidence_threshold: float = 0.05
-    block_convention: str = ANCHOR_IS_FIRST_PREDICTION
+    markov_rank: int | None = option(None, "r, the Markov refiner's rank (None: 256, or hidden_size // 4 when smaller)")
+    ce_weight: float = option(0.1, "weight of the cross-entropy term of the loss")
+    tv_weight: float = option(0.9, "weight of the L1 (twice total-variation) term against the target")
+    bce_weight: float = option(1.0, "weight of the confidence head's BCE term")
+    # Stop a draft before the first position whose own confidence sigmoid(c_k) is below
+    # this (DeepSpec's rule and default); 0 drafts the full block. Eval may override it.
+    confidence_threshold: float = option(0.0, "end a draft before the first confidence below this (0: full block)")
+    block_convention: str = option(ANCHOR_IS_FIRST_PREDICTION, "anchor_is_first_prediction (B drafts per block) or "
+                                   "anchor_is_context (B - 1: a frozen DFlash backbone's)")
     # Training on a trained DFlash backbone: its run or native folder ("" = from scratch),
     # and whether to keep it frozen and train only the refiner and confidence head.
-    backbone: str = ""
-    freeze_backbone: bool = False
+    backbone: str = option("", "a trained DFlash run or native folder to start from (empty: from scratch)")
+    freeze_backbone: bool = option(False, "keep the backbone frozen; train only the refiner and confidence head")
 
     @property
     def first_prediction_slot(self) -> int:
@@ -70,9 +75,25 @@ class DSparkConfig(DFlashConfig):
             self.markov_rank = min(256, max(1, self.hidden_size // 4))
         if self.markov_rank is not None and self.markov_rank < 1:
             raise DraftsmithError(f"markov_rank must be at least 1, got {self.markov_rank}")
-        if not 0.0 <= self.confidence_threshold < 1.0:
-            raise DraftsmithError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        check_threshold(self.confidence_threshold)
         return super().resolve()
+
+
+def check_threshold(threshold: float, what: str = "confidence_threshold") -> float:
+    if not 0.0 <= threshold <= 1.0:  # also refuses NaN
+        raise DraftsmithError(f"{what} must be in [0, 1], got {threshold}")
+    return float(threshold)
+
+
+def below_threshold(confidence_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Which positions' own confidence sigmoid(c) is below the threshold (0: none)."""
+    return confidence_logits.float().sigmoid() < threshold
+
+
+def confident_prefix_length(confidence_logits: torch.Tensor, threshold: float) -> int:
+    """Drafts kept of one block [n]: those before the first position below the threshold."""
+    below = below_threshold(confidence_logits, threshold).nonzero()
+    return int(below[0, 0]) if len(below) else int(confidence_logits.shape[0])
 
 
 class MarkovHead(nn.Module):
@@ -159,15 +180,14 @@ class DSparkDrafter(DFlashDrafter):
 
         hidden [B, n, H] and base_logits [B, n, V] of the prediction slots, anchor [B].
         `pick(logits [B, V], k) -> tokens [B]` chooses draft k (argmax, a sample, or the
-        true token when teacher forcing). Stops before the first draft whose predicted
-        prefix acceptance falls below `min_confidence` in every row (0: never stops).
+        true token when teacher forcing). Stops before the first draft whose own
+        confidence is below `min_confidence` in every row (`confident_prefix_length`'s
+        rule, applied as the drafts are drawn; 0: never stops).
         Returns tokens [B, m], refined logits [B, m, V], confidence logits [B, m], m <= n."""
         prev, tokens, logits, confidence = anchor, [], [], []
-        prefix_accept = torch.ones(anchor.shape, device=hidden.device)
         for k in range(hidden.shape[1]):
             conf = self.confidence_logits(hidden[:, k], prev)
-            prefix_accept = prefix_accept * conf.float().sigmoid()
-            if min_confidence > 0 and bool((prefix_accept < min_confidence).all()):
+            if bool(below_threshold(conf, min_confidence).all()):
                 break
             step = self.refined_logits(base_logits[:, k], prev, refiner)
             prev = pick(step, k)

@@ -37,6 +37,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fields import option
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
@@ -64,21 +65,23 @@ class Eagle3Config:
     """Fields left None are derived from the target by `from_target` (a recipe sets only
     the keys it names); `resolve` then refuses anything missing or inconsistent."""
 
-    hidden_size: int | None = None  # = the target's: the embedding is shared
-    target_hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    vocab_size: int | None = None  # the target's
-    draft_vocab_size: int | None = None  # default min(vocab, 32000), the usual size for 128k-152k vocabularies
-    target_layer_ids: list[int] | None = None  # output-of-layer ids, 0-based; default_layer_ids
-    rms_norm_eps: float | None = None
-    rope_theta: float | None = None
-    max_position_embeddings: int | None = None
-    ttt_length: int = 7
-    ttt_decay: float = 0.8
-    attention_backend: str = "sdpa"  # TTT attention: sdpa (dense mask), flex, auto (models/attention.py)
+    hidden_size: int | None = option(None, "drafter width; must equal the target's (the embedding is shared)")
+    target_hidden_size: int | None = option(None, "the target's hidden width (None: read from the target)")
+    intermediate_size: int | None = option(None, "MLP width of the draft layer (None: the target's)")
+    num_heads: int | None = option(None, "query heads (None: the target's)")
+    num_kv_heads: int | None = option(None, "KV heads (None: the target's)")
+    head_dim: int | None = option(None, "per-head width (None: the target's)")
+    vocab_size: int | None = option(None, "the target's vocabulary (None: read from the target)")
+    # min(vocab, 32000) is the usual size for 128k-152k vocabularies.
+    draft_vocab_size: int | None = option(None, "tokens the draft head predicts (None: min(vocab, 32000))")
+    target_layer_ids: list[int] | None = option(
+        None, "the three fused target layers, output-of-layer ids, 0-based (None: default_layer_ids)")
+    rms_norm_eps: float | None = option(None, "RMSNorm epsilon (None: the target's)")
+    rope_theta: float | None = option(None, "RoPE base (None: the target's)")
+    max_position_embeddings: int | None = option(None, "longest position (None: the target's)")
+    ttt_length: int = option(7, "training-time-test steps: the drafter unrolls on its own outputs this many times")
+    ttt_decay: float = option(0.8, "loss weight of TTT step j is ttt_decay ** j")
+    attention_backend: str = option("sdpa", "TTT attention: sdpa (dense mask), flex, auto (models/attention.py)")
 
     @classmethod
     def from_target(cls, target, **overrides) -> "Eagle3Config":
@@ -92,7 +95,7 @@ class Eagle3Config:
         derived = dict(
             hidden_size=shape.hidden_size,
             target_hidden_size=shape.hidden_size,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=shape.intermediate_size,
             num_heads=shape.num_heads,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,

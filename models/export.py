@@ -2,7 +2,8 @@
 
 Which formats a method offers, and the function that writes each, is the method's entry
 in the registry (`draftsmith/registry.py`); the layouts themselves live in
-`export_eagle3.py` and `export_dflash.py`. The drafter modules know nothing about them.
+`export_eagle3.py`, `export_dflash.py` and `export_mtp.py`, and `layouts.py` tells them
+apart when reading. The drafter modules know nothing about them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
+from draftsmith.models.mtp import MTP_DIR
 from draftsmith.models.native import read_native_meta
 from draftsmith.models.target import resolve_model_dir
 from draftsmith.registry import METHODS, resolve
@@ -21,13 +23,20 @@ from draftsmith.registry import METHODS, resolve
 def export_run(run: str | Path, fmt: str, out_dir: str | Path) -> Path:
     """Write the drafter of a training run (or a native drafter folder) in format `fmt`."""
     folder = Path(resolve_model_dir(run))
-    if _is_hf_model(folder):
-        raise DraftsmithError(f"{run} is a Hugging Face model folder (the target with its MTP modules, or a "
-                              f"draft model): serving engines load {folder} as it is")
-    method = read_native_meta(folder)["method"]
+    if (folder / MTP_DIR / "config.json").is_file():
+        method = "mtp"  # a target with its MTP modules (export_mtp says which targets have an engine layout)
+    elif _is_hf_model(folder):
+        raise DraftsmithError(f"{run} is a Hugging Face model folder (a draft model): serving engines load "
+                              f"{folder} as it is")
+    else:
+        method = read_native_meta(folder)["method"]
     formats = METHODS[method].exports if method in METHODS else {}
     if not formats:
         raise DraftsmithError(f"{run}: no export for method {method!r}")
+    if method == "mtp":  # engines load MTP only for DeepSeek-style targets; say so for the others
+        from draftsmith.models.export_mtp import check_engine_layout
+
+        check_engine_layout(folder)
     if fmt not in formats:
         raise DraftsmithError(f"{run} holds a {method} drafter: --format must be one of {', '.join(formats)}")
     return resolve(formats[fmt], f"--format {fmt}")(folder, out_dir)

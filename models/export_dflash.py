@@ -1,48 +1,69 @@
-"""DFlash and DSpark in the layouts other tools load, the native format, and back.
+"""DFlash and DSpark in the layouts other tools load, and back from any of them.
 
-z-lab reference layout (github.com/z-lab/dflash, `DFlashDraftModel` in dflash/model.py
-and tests/fixtures/dflash2-config.json, as read for this file). config.json is a Qwen3
-config plus `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers` and
-`dflash_config: {target_layer_ids, mask_token_id, block_size}` (the reference reads each
-key from dflash_config first, then the top level). model.safetensors has no embedding and
-no lm_head (the target's are used):
+Every layout below was read off its loader's source; the commits read are the ones named.
+
+z-lab DFlash (github.com/z-lab/dflash @ 44947fbf7111, dflash/model.py `DFlashDraftModel`;
+SpecForge's `DFlashDraftModel` @ a6b6b0230009, specforge/modeling/draft/dflash.py, reads
+the same). config.json is a Qwen3 config plus `architectures: ["DFlashDraftModel"]`,
+`block_size`, `num_target_layers`, `layer_types` (SpecForge checks one per layer) and
+`dflash_config: {target_layer_ids, mask_token_id, block_size}`; the readers take each key
+from dflash_config first. The z-lab checkpoints load through
+`AutoModel.from_pretrained(dir, trust_remote_code=True)`, so we add `auto_map` naming our
+own modeling file, `models/zlab_modeling.py`, copied beside the weights. Weights, no
+embedding or lm_head (the target's are used):
 
     layers.{i}.self_attn.{q,k,v,o}_proj.weight   layers.{i}.self_attn.{q,k}_norm.weight
     layers.{i}.mlp.{gate,up,down}_proj.weight     layers.{i}.{input,post_attention}_layernorm.weight
     fc.weight [H, n*H_t]   hidden_norm.weight   norm.weight
 
-Our module uses these names, so its state dict is the file. The reference reads layer id i
-as HF `hidden_states[i + 1]`, the output of layer i, which is our convention: ids are
-written unchanged. Its fc is n * hidden_size wide (it assumes the drafter is as wide as
-the target); we also write `target_hidden_size`, which other DFlash readers accept.
+Layer id i is HF `hidden_states[i + 1]` in both, our convention: ids are written unchanged.
+Their fc is n * hidden_size wide; we also write `target_hidden_size` (our modeling file reads it).
 
-DSpark (github.com/deepseek-ai/DeepSpec, deepspec/modeling/dspark: `Qwen3DSparkModel`,
-VanillaMarkov, AcceptRatePredictor): the same backbone names plus
-`markov_head.markov_w1.weight` [V, r], `markov_head.markov_w2.weight` [V, r] and
-`confidence_head.proj.{weight [1, H + r], bias [1]}`, with top-level keys `block_size`,
-`mask_token_id`, `target_layer_ids`, `num_target_layers`, `markov_rank`,
+SpecForge DSpark (@ a6b6b0230009, specforge/modeling/draft/dspark.py `DSparkDraftModel`,
+configs/qwen3-8b-dspark.json): the DFlash config with `architectures: ["DSparkDraftModel"]`
+and the heads' settings *inside* dflash_config: `projector_type: "dspark"`, `markov_rank`,
 `markov_head_type: "vanilla"`, `enable_confidence_head`, `confidence_head_with_markov`,
-`num_anchors`. Its slot k predicts the token at anchor + k + 1, our
-"anchor_is_first_prediction". DeepSpec checkpoints also carry copies of the target's
-`embed_tokens` and `lm_head`; ours do not, hence `architectures: ["DSparkDraftModel"]`.
+`confidence_head_alpha`, `attention_mode` ("gqa" needs fewer KV heads than query heads,
+"mha" equal ones). Its training labels slot k with the token at anchor + k + 1 (the anchor
+is the first prediction slot, our ANCHOR_IS_FIRST_PREDICTION). Extra weights:
+`markov_head.markov_w1.weight` [V, r] (an embedding), `markov_head.markov_w2.weight` [V, r],
+`confidence_head.proj.{weight [1, H + r], bias [1]}`.
+
+DeepSpec DSpark (github.com/deepseek-ai/DeepSpec @ afdfa7c93823,
+deepspec/modeling/dspark/qwen3/{config,modeling}.py `Qwen3DSparkModel`, loaded by
+deepspec/eval/dspark/evaluator.py with `Qwen3DSparkModel.from_pretrained`): a copy of the
+target's Qwen3 config with `architectures: ["Qwen3DSparkModel"]` and at the top level
+`num_target_layers`, `block_size`, `mask_token_id`, `target_layer_ids`, `num_anchors`,
+`enable_confidence_head`, `confidence_head_with_markov`, `markov_rank`, `markov_head_type`,
+`layer_types`; the same weight names plus the target's `embed_tokens.weight` and
+`lm_head.weight`, stored in the drafter. Its evaluator drafts `block_size` tokens per block
+(anchor first) and refuses the target's last layer as a context layer.
+
+Settings no loader reads (decode threshold, block convention) go under a `draftsmith` key.
 """
 
 from __future__ import annotations
 
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.fsutil import atomic_dir, write_json
+from draftsmith.models import zlab_modeling
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
-from draftsmith.models.native import load_drafter, load_native_weights
+from draftsmith.models.layouts import NATIVE, expect
+from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
 DFLASH_ARCH = "DFlashDraftModel"
 DSPARK_ARCH = "DSparkDraftModel"
-_KINDS = {DFLASH_ARCH: ("DFlash", "load_dflash_zlab"), DSPARK_ARCH: ("DSpark", "load_dspark")}
+DEEPSPEC_ARCH = "Qwen3DSparkModel"
+MODELING_FILE = "modeling_draftsmith.py"  # models/zlab_modeling.py, as it is
+_TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec stores the target's
 
 
 # ---------------------------------------------------------------- writing
@@ -52,39 +73,85 @@ def export_zlab(folder: str | Path, out_dir: str | Path) -> Path:
     return export_dflash_zlab(load_drafter(folder, "dflash"), out_dir)
 
 
-def export_dspark_folder(folder: str | Path, out_dir: str | Path) -> Path:
-    """A native DSpark folder in the DSpark layout (`draftsmith export --format dspark`)."""
-    return export_dspark(load_drafter(folder, "dspark"), out_dir)
+def export_specforge(folder: str | Path, out_dir: str | Path) -> Path:
+    """A native DSpark folder in SpecForge's layout (`draftsmith export --format specforge`)."""
+    return export_dspark_specforge(load_drafter(folder, "dspark"), out_dir)
+
+
+def export_deepspec(folder: str | Path, out_dir: str | Path) -> Path:
+    """A native DSpark folder in DeepSpec's layout, with the embedding and head of the
+    target it was trained on (the folder's `target`)."""
+    from draftsmith.models.target import load_target, resolve_model_dir
+
+    drafter = load_drafter(folder, "dspark")
+    target_dir = read_native_meta(folder).get("target")
+    if not target_dir or not Path(resolve_model_dir(target_dir), "config.json").is_file():
+        raise DraftsmithError(f"{folder}/config.json: target {target_dir!r} not found; DeepSpec's layout stores "
+                              "the target's embedding and head, so the target folder is needed")
+    return export_dspark_deepspec(drafter, out_dir, load_target(resolve_model_dir(target_dir)))
 
 
 def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
     if isinstance(drafter, DSparkDrafter):
         raise DraftsmithError("export_dflash_zlab: this is a DSpark drafter (its block convention and heads "
-                              "would be lost); export it with export_dspark")
-    return _write(out_dir, _backbone_config(drafter, DFLASH_ARCH), drafter)
+                              "would be lost); export it with export_dspark_specforge")
+    config = _backbone_config(drafter, DFLASH_ARCH)
+    config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.{DFLASH_ARCH}"}
+    return _write(out_dir, config, drafter.state_dict(), modeling=True)
 
 
-def export_dspark(drafter: DSparkDrafter, out_dir: str | Path) -> Path:
-    if not isinstance(drafter, DSparkDrafter):
-        raise DraftsmithError("export_dspark: this is a DFlash drafter; export it with export_dflash_zlab")
-    c = drafter.config
+def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path) -> Path:
+    c = _check_dspark(drafter, "SpecForge")
     config = _backbone_config(drafter, DSPARK_ARCH)
+    config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.{DSPARK_ARCH}"}
+    config["dflash_config"].update(
+        projector_type="dspark", markov_rank=c.markov_rank, markov_head_type="vanilla",
+        enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=c.bce_weight,
+        attention_mode="mha" if c.num_kv_heads == c.num_heads else "gqa",
+    )
+    config["draftsmith"] = _our_settings(c)
+    return _write(out_dir, config, drafter.state_dict(), modeling=True)
+
+
+def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target) -> Path:
+    c = _check_dspark(drafter, "DeepSpec")
+    if c.num_target_layers - 1 in c.target_layer_ids:
+        raise DraftsmithError(f"target_layer_ids {c.target_layer_ids} include the target's last layer "
+                              f"({c.num_target_layers - 1}), which DeepSpec's evaluator refuses")
+    shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
+              "lm_head.weight": target.get_output_embeddings().weight}
+    for name, tensor in shared.items():
+        if tuple(tensor.shape) != (c.vocab_size, c.hidden_size):
+            raise DraftsmithError(f"the target's {name} has shape {tuple(tensor.shape)}; this drafter needs "
+                                  f"({c.vocab_size}, {c.hidden_size}): it was trained for another target")
+    config = _backbone_config(drafter, DEEPSPEC_ARCH)
+    del config["dflash_config"]  # DeepSpec reads these at the top level
     config.update(
         target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id, num_anchors=c.num_anchors,
         markov_rank=c.markov_rank, markov_head_type="vanilla",
-        enable_confidence_head=True, confidence_head_with_markov=True,
-        block_convention=c.block_convention,
-        dspark_config={
-            "block_convention": c.block_convention,
-            "block_convention_meaning": (
-                f"a block of {c.block_size} inputs [anchor, mask x {c.block_size - 1}] at positions anchor.. "
-                f"gives {c.drafts_per_block} drafts; slot k predicts the token at anchor + k + "
-                f"{1 - c.first_prediction_slot}"),
-            "drafts_per_block": c.drafts_per_block,
-            "confidence_threshold": c.confidence_threshold,
-        },
+        enable_confidence_head=True, confidence_head_with_markov=True, draftsmith=_our_settings(c),
     )
-    return _write(out_dir, config, drafter)
+    return _write(out_dir, config, {**drafter.state_dict(), **shared})
+
+
+def _check_dspark(drafter, tool: str) -> DSparkConfig:
+    if not isinstance(drafter, DSparkDrafter):
+        raise DraftsmithError(f"{tool} DSpark export: this is a DFlash drafter; export it with export_dflash_zlab")
+    c = drafter.config
+    if c.block_convention != ANCHOR_IS_FIRST_PREDICTION:
+        raise DraftsmithError(f"{tool} DSpark export: block_convention {c.block_convention!r}; {tool} reads slot k "
+                              f"as the token at anchor + k + 1 ({ANCHOR_IS_FIRST_PREDICTION}): use --format native")
+    if c.target_hidden_size != c.hidden_size:
+        raise DraftsmithError(f"{tool} DSpark export: the drafter is {c.hidden_size} wide and the target "
+                              f"{c.target_hidden_size}; {tool} builds fc for equal widths")
+    return c
+
+
+def _our_settings(c: DSparkConfig) -> dict:
+    return {"block_convention": c.block_convention, "confidence_threshold": c.confidence_threshold,
+            "num_anchors": c.num_anchors,
+            "block_convention_meaning": f"a block of {c.block_size} inputs [anchor, mask x {c.block_size - 1}] gives "
+                                        f"{c.drafts_per_block} drafts; slot k predicts the token at anchor + k + 1"}
 
 
 def _backbone_config(drafter: DFlashDrafter, arch: str) -> dict:
@@ -92,8 +159,9 @@ def _backbone_config(drafter: DFlashDrafter, arch: str) -> dict:
     qwen3 = c.qwen3_config().to_diff_dict()
     qwen3["rope_theta"] = float(c.rope_theta)  # transformers < 5 reads it at the top level
     return {
-        "architectures": [arch], **qwen3,
+        "architectures": [arch], **qwen3, "model_type": "qwen3",
         "dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "layer_types": ["full_attention"] * c.num_layers,
         "target_hidden_size": c.target_hidden_size,
         "block_size": c.block_size,
         "num_target_layers": c.num_target_layers,
@@ -102,57 +170,78 @@ def _backbone_config(drafter: DFlashDrafter, arch: str) -> dict:
     }
 
 
-def _write(out_dir, config: dict, drafter: DFlashDrafter) -> Path:
+def _write(out_dir, config: dict, state: dict, modeling: bool = False) -> Path:
     out_dir = Path(out_dir)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
+        if modeling:
+            shutil.copyfile(zlab_modeling.__file__, tmp / MODELING_FILE)
     return out_dir
 
 
 # ---------------------------------------------------------------- reading
 
+def load_any(path: str | Path, method: str = "dflash", target=None) -> DFlashDrafter:
+    """A DFlash or DSpark drafter from any layout we write (native, z-lab, SpecForge,
+    DeepSpec), told apart by config.json. A folder of another method, a layout we do not
+    know, a missing weight, or (with `target`) stored target weights of the wrong shape
+    are refused in one line."""
+    layout, meta = expect(path, method)
+    if layout == NATIVE:
+        return load_drafter(path, method)
+    weights = load_native_weights(path)
+    if method == "dflash":
+        return DFlashDrafter.from_native(DFlashConfig(**_backbone_fields(meta, path)), weights, source=str(path))
+    if layout == "deepspec":
+        _drop_target_copies(weights, target, path)
+    return DSparkDrafter.from_native(_dspark_config(meta, path), weights, source=str(path))
+
+
 def load_dflash_zlab(path: str | Path) -> DFlashDrafter:
-    meta, weights = _read(path, DFLASH_ARCH)
-    return DFlashDrafter.from_native(DFlashConfig(**_backbone_fields(meta, path)), weights, source=str(path))
+    return load_any(path, "dflash")
 
 
-def load_dspark(path: str | Path) -> DSparkDrafter:
-    meta, weights = _read(path, DSPARK_ARCH)
-    extra = meta.get("dspark_config") or {}
-    if meta.get("markov_head_type", "vanilla") != "vanilla" or not meta.get("confidence_head_with_markov", True):
-        raise DraftsmithError(f"{path}/config.json: only the vanilla Markov head with a confidence head on "
-                              "[h; W1[x]] is supported")
-    convention = extra.get("block_convention", meta.get("block_convention", ANCHOR_IS_FIRST_PREDICTION))
+def load_dspark(path: str | Path, target=None) -> DSparkDrafter:
+    return load_any(path, "dspark", target)
+
+
+def _dspark_config(meta: dict, path) -> DSparkConfig:
+    nested = meta.get("dflash_config") or {}
+    setting = lambda key, default=None: nested.get(key, meta.get(key, default))  # noqa: E731
+    if (setting("markov_head_type", "vanilla") != "vanilla" or not int(setting("markov_rank", 0) or 0)
+            or not setting("enable_confidence_head", True) or not setting("confidence_head_with_markov", True)):
+        raise DraftsmithError(f"{path}/config.json: only DSpark with a vanilla Markov head (markov_rank > 0) and a "
+                              "confidence head on [h; W1[x]] is supported")
+    ours = meta.get("draftsmith") or meta.get("dspark_config") or {}
+    convention = ours.get("block_convention", meta.get("block_convention", ANCHOR_IS_FIRST_PREDICTION))
     if convention not in BLOCK_CONVENTIONS:
         raise DraftsmithError(
             f"{path}/config.json: block_convention {convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}"
         )
-    config = DSparkConfig(
-        **_backbone_fields(meta, path), markov_rank=_key(meta, "markov_rank", path),
-        block_convention=convention, num_anchors=meta.get("num_anchors", DSparkConfig.num_anchors),
-        confidence_threshold=extra.get("confidence_threshold", DSparkConfig.confidence_threshold),
+    return DSparkConfig(
+        **_backbone_fields(meta, path), markov_rank=int(setting("markov_rank")), block_convention=convention,
+        num_anchors=ours.get("num_anchors", meta.get("num_anchors", DSparkConfig.num_anchors)),
+        confidence_threshold=ours.get("confidence_threshold", DSparkConfig.confidence_threshold),
     )
-    return DSparkDrafter.from_native(config, weights, source=str(path))
 
 
-def _read(path, arch: str) -> tuple[dict, dict]:
-    path = Path(path)
-    meta = read_json(path / "config.json")
-    found = (meta.get("architectures") or [None])[0]
-    if found != arch:
-        if meta.get("format") == "draftsmith":
-            raise DraftsmithError(
-                f"{path} is a draftsmith native {meta.get('method')} drafter; load it with models.native.load_drafter"
-            )
-        if found in _KINDS:
-            kind, loader = _KINDS[found]
-            raise DraftsmithError(
-                f"{path} holds a {kind} checkpoint ({found}), not {_KINDS[arch][0]}; load it with {loader}"
-            )
-        raise DraftsmithError(f"{path}/config.json: architectures {meta.get('architectures')!r}, expected [{arch!r}]")
-    return meta, load_native_weights(path)  # any folder's model.safetensors, with one-line errors
+def _drop_target_copies(weights: dict, target, path) -> None:
+    """DeepSpec's copies of the target's embedding and head: checked against the target
+    when there is one, then dropped (we draft with the target's own)."""
+    for name in _TARGET_COPIES:
+        stored = weights.pop(name, None)
+        if stored is None:
+            raise DraftsmithError(f"{path}/model.safetensors: no {name} (DeepSpec's layout stores the target's)")
+        if target is None:
+            continue
+        own = (target.get_input_embeddings() if name.startswith("embed") else target.get_output_embeddings()).weight
+        if stored.shape != own.shape:
+            raise DraftsmithError(f"{path}: {name} has shape {tuple(stored.shape)}, the target's "
+                                  f"{tuple(own.shape)}: this drafter was trained for another target")
+        if not torch.allclose(stored.float(), own.detach().float().cpu(), rtol=1e-2, atol=1e-3):
+            warnings.warn(f"{path}: {name} differs from the target's; drafting uses the target's", stacklevel=3)
 
 
 def _key(meta: dict, key: str, path):
@@ -176,14 +265,7 @@ def _backbone_fields(meta: dict, path) -> dict:
         rope_theta=rope.get("rope_theta", meta.get("rope_theta", 10000.0)),
         max_position_embeddings=meta.get("max_position_embeddings", 32768),
         block_size=_key(meta, "block_size", path), allow_large_block=True,  # sized when it was trained
+        # Absent: the readers' default spread over the target, which DFlashConfig computes the same way.
         target_layer_ids=(meta.get("dflash_config") or {}).get("target_layer_ids", meta.get("target_layer_ids")),
         mask_token_id=_key(meta, "mask_token_id", path),
     )
-
-
-def load_block_drafter(path: str | Path, method: str = "dflash") -> DFlashDrafter:
-    """A DFlash or DSpark drafter from any of our formats, told apart by config.json; a
-    checkpoint of the other method is refused in one line."""
-    if read_json(Path(path) / "config.json").get("format") == "draftsmith":
-        return load_drafter(path, method)
-    return load_dspark(path) if method == "dspark" else load_dflash_zlab(path)

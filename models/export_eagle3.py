@@ -19,6 +19,22 @@ Target layer ids. draftsmith's ids are outputs of layers, 0-based. What each con
   Its built-in default is the same (2, N // 2, N - 3).
 Since each engine reads only its own key, both keys go into both layouts; the `engine`
 argument is recorded and is where an engine-specific difference would go.
+
+Weight names and config fields each loader reads (sources read for this file):
+- SGLang python/sglang/srt/models/llama_eagle3.py @ 03d5a7771f60 (`LlamaForCausalLMEagle3`):
+  `fc` (input `target_hidden_size` or `hidden_size`, times 3), `midlayer.*` with q/k/v and
+  gate/up fused at load, `midlayer.hidden_norm`, `norm`, `lm_head` of `draft_vocab_size`
+  rows (`tie_word_embeddings` false), `d2t` (draft id + d2t = target id), `t2d` skipped;
+  `num_hidden_layers` > 1 would add plain layers, so it must be 1.
+- vLLM vllm/model_executor/models/llama_eagle3.py @ 00bd1493b3e8 (`Eagle3LlamaForCausalLM`):
+  `midlayer.` renamed `layers.0.`, every name but lm_head prefixed `model.`, `d2t` becomes
+  `draft_id_to_target_id`, `t2d` skipped, `fc` built only with
+  `eagle_config.use_aux_hidden_state` (default true), `norm_before_residual`,
+  `attention_bias`, `mlp_bias`, `target_hidden_size`, `draft_vocab_size`; an
+  `embed_tokens` in the file is loaded, otherwise the target's is shared. The layer ids are
+  read by `get_eagle3_aux_layers_from_config` (top-level key only).
+- SpecForge specforge/modeling/draft/llama3_eagle.py @ a6b6b0230009 (`LlamaForCausalLMEagle3`)
+  trains with the same names and also saves `embed_tokens`; `load_any` reads its folders.
 """
 
 from __future__ import annotations
@@ -32,9 +48,13 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models.eagle3 import (
-    METHOD, Eagle3Config, Eagle3Drafter, default_layer_ids,
+    METHOD,
+    Eagle3Config,
+    Eagle3Drafter,
+    default_layer_ids,
 )
-from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
+from draftsmith.models.layouts import NATIVE, expect
+from draftsmith.models.native import config_from_dict, load_drafter, load_native_weights, read_native_meta
 from draftsmith.models.target import resolve_model_dir, target_shape
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -119,6 +139,13 @@ def _layer_ids(cfg: dict, num_target_layers: int, source: str) -> list[int]:
     if top:
         return [i - 1 for i in top]
     return default_layer_ids(num_target_layers)  # what both engines then pick themselves
+
+
+def load_any(path: str | Path, target: nn.Module) -> Eagle3Drafter:
+    """An EAGLE-3 drafter from a native folder or an SGLang/vLLM/SpecForge one (ours or
+    trained elsewhere), told apart by config.json; anything else is one line."""
+    layout, _ = expect(path, METHOD)
+    return load_drafter(path, METHOD, target) if layout == NATIVE else load_eagle3_export(path, target)
 
 
 def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:

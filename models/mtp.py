@@ -22,20 +22,21 @@ from torch import nn
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fields import option
 from draftsmith.models.native import load_state_strict
-from draftsmith.models.target import cache_kwarg, decoder_layers
+from draftsmith.models.target import cache_kwarg, decoder_layers, rotary_embedding
 
 MTP_DIR = "mtp"  # the MTP modules sit in this subfolder of the saved target
 
 
 @dataclass
 class MTPConfig:
-    num_depths: int = 2  # K
+    num_depths: int = option(2, "K: MTP modules, depth k predicting the token k + 1 ahead")
     # Joint loss L_main + lambda/K * sum_k L_k; DeepSeek-V3 used 0.3 for the first ~2/3 of
     # training, then 0.1.
-    lambda_early: float = 0.3
-    lambda_late: float = 0.1
-    lambda_switch: float = 0.67  # fraction of max_steps at which lambda drops
+    lambda_early: float = option(0.3, "lambda, the MTP loss weight, before lambda_switch")
+    lambda_late: float = option(0.1, "lambda from lambda_switch on")
+    lambda_switch: float = option(0.67, "fraction of max_steps at which lambda drops")
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +149,17 @@ def from_deepseek_names(state: dict) -> dict:
     return out
 
 
+def causal_mask(attn_implementation: str | None, rows: int, past: int, like: torch.Tensor) -> torch.Tensor | None:
+    """Additive [1, 1, rows, past + rows] mask: new row i sees the `past` cached rows and
+    new rows 0..i. Given explicitly because transformers' eager attention reads a missing
+    mask as full attention (only SDPA and the flash kernels assume causal); the flash
+    kernels take causality from the layer's `is_causal` and no dense mask (None here)."""
+    if rows <= 1 or (attn_implementation or "").startswith("flash"):
+        return None
+    mask = torch.full((rows, past + rows), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
+    return mask.triu(past + 1)[None, None]
+
+
 def mtp_forward(heads: MTPDrafter, target: nn.Module, input_ids: torch.Tensor,
                 last_hidden: torch.Tensor) -> list[torch.Tensor]:
     """Training forward over whole sequences: the logits of every depth.
@@ -156,7 +168,7 @@ def mtp_forward(heads: MTPDrafter, target: nn.Module, input_ids: torch.Tensor,
     Depth k returns logits [B, T - k, V] whose position i predicts input_ids[:, i + k + 1]
     (the last position has no label inside the sequence and is dropped by the loss).
     """
-    base = target.model
+    rotary = rotary_embedding(target)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     seq = input_ids.shape[1]
     prev = last_hidden
@@ -164,8 +176,9 @@ def mtp_forward(heads: MTPDrafter, target: nn.Module, input_ids: torch.Tensor,
     for k, layer in enumerate(heads.layers, start=1):
         length = seq - k
         positions = torch.arange(length, device=input_ids.device).unsqueeze(0)
-        rope = base.rotary_emb(prev, positions)
-        hidden = layer(embed(input_ids[:, k:]), prev[:, :length], rope, position_ids=positions)
+        rope = rotary(prev, positions)
+        mask = causal_mask(target.config._attn_implementation, length, 0, prev)
+        hidden = layer(embed(input_ids[:, k:]), prev[:, :length], rope, attention_mask=mask, position_ids=positions)
         logits.append(head(layer.shared_head.norm(hidden)))
         prev = hidden
     return logits

@@ -46,6 +46,17 @@ class TargetShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int
+
+
+# Configs spell the same figure differently (GPT-2 `n_inner`, OPT `ffn_dim`, Falcon
+# `ffn_hidden_size`; Falcon `num_kv_heads`); transformers' attribute_map covers only some.
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
+_FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+
+
+def _first(config, keys):
+    return next((v for v in (getattr(config, k, None) for k in keys) if v is not None), None)
 
 
 def target_shape(config) -> TargetShape:
@@ -55,22 +66,154 @@ def target_shape(config) -> TargetShape:
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=_first(config, _KV_HEAD_KEYS) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=_first(config, _FFN_KEYS) or 4 * config.hidden_size,
     )
 
 
+# ---- the parts of any causal LM ----------------------------------------------------------
+#
+# transformers names the parts differently per architecture (GPT-2 `transformer.h` and
+# `ln_f`, OPT `model.decoder.layers` and `final_layer_norm`, GPT-NeoX `gpt_neox.layers`).
+# Embedding and head have accessors of their own (`get_input_embeddings`,
+# `get_output_embeddings`); layers and final norm are found from what transformers itself
+# declares, in this order:
+#   1. the decoder: `model.get_decoder()` (the stack that holds the layers);
+#   2. the config's `base_model_pp_plan` (pipeline stages, e.g. embed_tokens, layers, norm);
+#   3. the class that `_can_record_outputs["hidden_states"]` records, or `_no_split_modules`
+#      names: the ModuleList of those;
+#   4. else the one ModuleList in the decoder with `num_hidden_layers` entries.
+# The path found is remembered per model (the search walks every submodule once).
+
+_LAYER_PATHS: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def decoder_module(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM (LlamaModel, GPT2Model, OPTDecoder, ...)."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError, TypeError):
+        decoder = None
+    return decoder if isinstance(decoder, nn.Module) else getattr(model, "base_model", model)
+
+
+def _layer_classes(model: nn.Module) -> tuple[set[type], set[str]]:
+    """The decoder-layer classes transformers records as hidden states, and the names of
+    the blocks it never splits across devices (also the decoder layers, for causal LMs)."""
+    classes: set[type] = set()
+    for owner in (model, decoder_module(model)):
+        recorded = (getattr(owner, "_can_record_outputs", None) or {}).get("hidden_states")
+        for item in recorded if isinstance(recorded, (list, tuple)) else [recorded]:
+            item = getattr(item, "target_class", item)  # an OutputRecorder names its class
+            for cls in item if isinstance(item, tuple) else (item,):
+                if isinstance(cls, type):
+                    classes.add(cls)
+    return classes, set(getattr(model, "_no_split_modules", None) or ())
+
+
+def _text_config(model: nn.Module):
+    """The language model's config (a multimodal config keeps it under text_config)."""
+    config = getattr(model, "config", None)
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def _num_layers(model: nn.Module) -> int | None:
+    return getattr(_text_config(model), "num_hidden_layers", None)
+
+
+def _pp_plan(model: nn.Module) -> list[str]:
+    return list(getattr(_text_config(model), "base_model_pp_plan", None) or ())
+
+
+def _find_layer_path(model: nn.Module) -> str | None:
+    n = _num_layers(model)
+
+    def fits(m) -> bool:
+        return isinstance(m, nn.ModuleList) and len(m) > 0 and (n is None or len(m) == n)
+
+    classes, names = _layer_classes(model)
+    where = {m: name for name, m in model.named_modules()}
+    decoder = decoder_module(model)
+    # The decoder first; then the whole model, since a `get_decoder` may name something
+    # else (ModernBERT's decoder is its head).
+    for root in dict.fromkeys([decoder, model]):
+        prefix = where.get(root, "") + "." if where.get(root) else ""
+        for key in _pp_plan(model):
+            if fits(getattr(root, key, None)):
+                return prefix + key
+        lists = [(name, m) for name, m in root.named_modules() if fits(m)]
+        for name, m in lists:
+            if all(isinstance(x, tuple(classes)) or type(x).__name__ in names for x in m):
+                return prefix + name
+        outer = [name for name, _ in lists if not any(name.startswith(o + ".") for o, _ in lists)]
+        if len(outer) == 1:
+            return prefix + outer[0]
+    return None
+
+
+def _layer_path(model: nn.Module) -> str:
+    path = _LAYER_PATHS.get(model)
+    if path is None:
+        path = _find_layer_path(model)
+        if path is None:
+            raise DraftsmithError(
+                f"target {type(model).__name__}: no decoder layers found (its decoder "
+                f"{type(decoder_module(model)).__name__} holds no list of {_num_layers(model)} layers)")
+        _LAYER_PATHS[model] = path
+    return path
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of any Llama/Qwen/Mistral-family causal LM."""
-    base = getattr(model, "model", model)
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise DraftsmithError(f"{type(model).__name__} has no decoder layers at .model.layers")
-    return layers
+    """The decoder layers of any transformers causal LM (see the search above)."""
+    return model.get_submodule(_layer_path(model))
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(m).__name__.lower()
 
 
 def final_norm(model: nn.Module) -> nn.Module:
-    return getattr(model, "model", model).norm
+    """The norm between the last decoder layer and the head, in the module that holds the
+    layers: the pipeline plan's last stage when it is a norm, else the one norm registered
+    after the layers (Bloom has one before them too), else the only norm (OPT registers its
+    final norm first). Post-norm models (BERT-style, GPT-1, Marian) have none: one line."""
+    path = _layer_path(model)
+    holder = model.get_submodule(path.rpartition(".")[0])
+    plan = _pp_plan(model)
+    last = getattr(holder, plan[-1], None) if plan else None
+    if isinstance(last, nn.Module) and _is_norm(last):
+        return last
+    children = list(holder.children())
+    at = next((i for i, m in enumerate(children) if m is model.get_submodule(path)), len(children))
+    for group in (children[at + 1:], children):
+        norms = [m for m in group if _is_norm(m)]
+        if len(norms) == 1:
+            return norms[0]
+    raise DraftsmithError(f"target {type(model).__name__}: no final norm found beside its decoder layers "
+                          f"in {type(holder).__name__}")
+
+
+def rotary_embedding(model: nn.Module) -> nn.Module:
+    """The decoder's shared rotary embedding (Llama family: `rotary_emb`)."""
+    rotary = getattr(decoder_module(model), "rotary_emb", None)
+    if not isinstance(rotary, nn.Module):
+        raise DraftsmithError(f"target {type(model).__name__}: no shared rotary embedding (rotary_emb) "
+                              f"in its decoder {type(decoder_module(model)).__name__}")
+    return rotary
+
+
+def check_capturable(model: nn.Module, layer_ids: Iterable[int], who: str) -> None:
+    """One line when `who` (a drafter) needs hidden states this target cannot give."""
+    layer_ids = tuple(layer_ids)
+    if not layer_ids:
+        return
+    try:
+        decoder_layers(model)
+        check_layer_ids(model, layer_ids)
+    except DraftsmithError as exc:
+        raise DraftsmithError(f"{who} reads the target's hidden states, which cannot be captured: {exc}") from None
 
 
 def check_layer_ids(model_or_config, layer_ids: Iterable[int]) -> None:
@@ -85,9 +228,12 @@ def check_layer_ids(model_or_config, layer_ids: Iterable[int]) -> None:
 def capture_layers(model: nn.Module, layer_ids: Iterable[int]) -> Iterator[dict[int, torch.Tensor]]:
     """Record the output of the given decoder layers during forwards inside the block."""
     layer_ids = sorted(set(int(i) for i in layer_ids))
+    captured: dict[int, torch.Tensor] = {}
+    if not layer_ids:  # nothing to find: a target whose layers cannot be found still decodes
+        yield captured
+        return
     check_layer_ids(model, layer_ids)
     layers = decoder_layers(model)
-    captured: dict[int, torch.Tensor] = {}
     handles = []
     for i in layer_ids:
         def hook(_module, _inputs, output, i=i):
@@ -138,9 +284,21 @@ def target_forward(
 
 
 def new_cache(model: nn.Module):
+    """A DynamicCache that can be rolled back. Sliding-window and linear-attention layers drop
+    rows past their window (or kernel) as they go, which a rejected draft's crop could then
+    not undo; told to record their past, they keep those rows until the next `crop_cache`."""
     from transformers import DynamicCache
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        if hasattr(layer, "activate_past_recording"):  # transformers >= 5.x where they exist
+            layer.activate_past_recording()
+    try:
+        cache.get_seq_length()
+    except ValueError:  # only recurrent layers (Mamba): no token count, nothing to crop
+        raise DraftsmithError(f"target {type(model).__name__} keeps a recurrent state and no attention KV cache; "
+                              "the speculative decoder needs a KV cache it can crop") from None
+    return cache
 
 
 def new_static_cache(model: nn.Module, max_len: int):
@@ -194,8 +352,23 @@ def crop_cache(cache, keep: int) -> None:
     drop = cache.get_seq_length() - keep
     if drop < 0:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
-    if drop:
-        cache.crop(-drop)
+    if drop and not getattr(cache, "is_croppable", True):
+        raise DraftsmithError("this target's cache cannot be rolled back past rejected drafts (it keeps a recurrent "
+                              "state, as Mamba and linear-attention layers do); decode it without drafts")
+    cache.crop(-drop)  # crop(0) too: it trims the rows that recording layers kept past their window
+
+
+def tree_cache_problem(cache) -> str | None:
+    """Why a tree's accepted path cannot be gathered in this cache (None: it can). The
+    gather moves rows by absolute slot, which only plain full-attention layers keep."""
+    from transformers.cache_utils import DynamicLayer, StaticLayer
+
+    if any(getattr(cache, "is_sliding", ())):
+        return "this target has sliding-window layers"
+    other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (DynamicLayer, StaticLayer)})
+    if other:
+        return f"this target's cache has {', '.join(other)} layers"
+    return None
 
 
 def keep_cache_rows(cache, first: int, rows: list[int]) -> None:
@@ -321,29 +494,18 @@ def tiny_config(
     max_position_embeddings: int = 2048,
     **special_ids,
 ):
-    """A transformers config for a small Llama- or Qwen3-style target."""
-    from transformers import LlamaConfig, Qwen3Config
+    """A transformers config for a small target of family `arch` (models/tiny_archs.py:
+    llama and qwen3, the toolkit's own, and the other families draftsmith is tested on)."""
+    from draftsmith.models.tiny_archs import tiny_arch_config
 
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise DraftsmithError(
             f"tiny target: hidden_size {hidden_size}, heads {num_heads} and kv heads {num_kv_heads} do not divide"
         )
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or (hidden_size * 8 // 3 + 63) // 64 * 64,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        **special_ids,
-    )
-    if arch == "llama":
-        return LlamaConfig(**common)
-    if arch == "qwen3":
-        return Qwen3Config(head_dim=hidden_size // num_heads, **common)
-    raise DraftsmithError(f"tiny target: unknown architecture {arch!r} (expected 'llama' or 'qwen3')")
+    shape = dict(vocab_size=vocab_size, num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, max_position_embeddings=max_position_embeddings,
+                 intermediate_size=intermediate_size or (hidden_size * 8 // 3 + 63) // 64 * 64)
+    return tiny_arch_config(arch, shape, special_ids)
 
 
 def build_tiny_target(seed: int = 0, **config_kwargs) -> nn.Module:
@@ -371,8 +533,9 @@ def resolve_model_dir(path: str | Path, require: str = "") -> Path | str:
 
 
 def load_target(path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
-                attn_implementation: str | None = None) -> nn.Module:
-    """Load a frozen Hugging Face causal LM from a folder (or a hub name when online)."""
+                attn_implementation: str | None = None, frozen: bool = True) -> nn.Module:
+    """Load a frozen (or, `frozen=False`, trainable) Hugging Face causal LM from a folder
+    (or a hub name when online)."""
     from transformers import AutoModelForCausalLM
 
     local = Path(path)
@@ -388,9 +551,12 @@ def load_target(path: str | Path, dtype: str = "auto", device: str | torch.devic
         kwargs["attn_implementation"] = attn_implementation
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    except (OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DraftsmithError(f"cannot load target {path}: {first}") from None
+    # Whatever a corrupt folder makes transformers raise (a JSON error, a config field's
+    # validation error, safetensors' error on a truncated file, a KeyError on an unknown
+    # model_type) is about the user's files: name the folder and the first lines.
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+        raise DraftsmithError(f"cannot load target {path}: {' '.join(lines) or type(exc).__name__}") from None
     if device is not None:
         model.to(device)
-    return freeze(model)
+    return freeze(model) if frozen else model

@@ -20,13 +20,14 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import read_json
 
-# GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`.
-_HEAD_KEYS = ("num_attention_heads", "n_head")
+# GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`,
+# MPT and DBRX `n_heads`.
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
 
 
 @dataclass(frozen=True)
 class TilePlan:
-    """Figures named as in DESIGN.md section 3; H and KV are whole-model counts."""
+    """Figures named as in docs/design.md section 3; H and KV are whole-model counts."""
 
     H: int  # query heads
     KV: int  # KV heads (1 for multi-latent attention)
@@ -52,15 +53,7 @@ def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
     if heads is None:
         raise DraftsmithError("config has no num_attention_heads")
     mla = config.get("kv_lora_rank") is not None
-    if mla:
-        # MLA caches one latent vector per token that every query head attends to.
-        kv = 1
-    elif config.get("num_key_value_heads") is not None:
-        kv = config["num_key_value_heads"]
-    elif config.get("multi_query"):
-        kv = 1
-    else:
-        kv = heads  # plain multi-head attention
+    kv = 1 if mla else _kv_heads(config, heads)  # MLA: one latent vector per token for all heads
     if kv < 1 or heads % kv:
         raise DraftsmithError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
@@ -72,6 +65,26 @@ def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
         raise DraftsmithError(f"num_key_value_heads {kv} does not split over tp {tp}")
     group = (heads // tp) // max(1, kv // tp)
     return TilePlan(H=heads, KV=kv, G=group, tile=tile, tp=tp, D=max(0, tile // group - 1), mla=mla)
+
+
+def _kv_heads(config: dict, heads: int) -> int:
+    """KV heads as each family spells them. Falcon follows its attention code: `num_kv_heads`
+    (`n_head_kv` in the original configs) counts only under `new_decoder_architecture` or
+    without `multi_query`; `multi_query` alone (Falcon-7B, GPT-BigCode) is one KV head.
+    MPT and DBRX keep `kv_n_heads` under `attn_config`; ChatGLM `multi_query_group_num`."""
+    if config.get("num_key_value_heads") is not None:
+        return config["num_key_value_heads"]
+    falcon = next((config[k] for k in ("num_kv_heads", "n_head_kv") if config.get(k) is not None), None)
+    if falcon is not None and (config.get("new_decoder_architecture") or not config.get("multi_query")):
+        return falcon
+    if config.get("multi_query_attention") and config.get("multi_query_group_num"):
+        return config["multi_query_group_num"]
+    if config.get("multi_query"):
+        return 1
+    attn = config.get("attn_config")
+    if isinstance(attn, dict) and attn.get("kv_n_heads") is not None:
+        return attn["kv_n_heads"]
+    return heads  # plain multi-head attention
 
 
 # ---------------------------------------------------------------- the planner
@@ -122,6 +135,16 @@ def _cached_hub_config(name: str) -> dict:
         ) from None
 
 
+# Every published DFlash configuration uses a block of 8, 10 or 16 (loss decay gamma 4 to
+# 7); a block past 16 is untested territory, so `block_size: auto` stops there.
+MAX_AUTO_BLOCK = 16
+
+
+def auto_block(plan: TilePlan, first_prediction_slot: int = 1) -> int:
+    """`block_size: auto` for DFlash (slot 1: 1 + D) and DSpark (slot 0: D), capped at 16."""
+    return min(plan.D + first_prediction_slot, MAX_AUTO_BLOCK)
+
+
 def tree_budget(plan: TilePlan) -> int:
     """Tree nodes, root included, that fit one tile (the root always exists)."""
     return max(1, plan.tile // plan.G)
@@ -155,6 +178,11 @@ def format_plan(plan: TilePlan) -> str:
     else:
         nodes = tree_budget(plan)
         lines.append(f"D      {plan.D} drafts in a chain, or a tree of {nodes} nodes with the root")
+        block = auto_block(plan)
+        capped = (f", capped at {MAX_AUTO_BLOCK} (the largest published DFlash block; set block_size and gamma "
+                  f"in the recipe to go past it)") if block < plan.D + 1 else ""
+        lines.append(f"block  DFlash block_size auto = {block} ({block - 1} drafts; DSpark: {auto_block(plan, 0)} "
+                     f"drafts){capped}")
     lines += [
         "",
         "G is the group size (query heads per KV head) that the verify kernel packs, with the "

@@ -62,7 +62,7 @@ PRESETS = {
     "cuda": dict(hidden=4096, layers=4, heads=32, kv_heads=8, intermediate=14336, vocab=128256, draft_vocab=32000,
                  seq=2048, batch=1, anchors=512, dflash_layers=5, project_layers=32),
 }
-LR_CLIP = {"eagle3": (1e-4, 0.5), "dflash": (6e-4, 1.0), "dspark": (6e-4, 1.0)}  # DESIGN.md section 7
+LR_CLIP = {"eagle3": (1e-4, 0.5), "dflash": (6e-4, 1.0), "dspark": (6e-4, 1.0)}  # docs/design.md section 7
 
 
 # ---- shared with scripts/bench_verify.py ------------------------------------------------

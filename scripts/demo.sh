@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The embedded default, end to end, on a CPU and with no download (DESIGN.md section 9):
+# The embedded default, end to end, on a CPU and with no download (docs/design.md section 9):
 # pretrain the tiny target with MTP heads on the stdlib corpus, train an external draft
 # model, EAGLE-3, DFlash and DSpark (a refiner on the DFlash backbone) against it, and write
 # one report comparing all six schemes (n-gram needs no training) on held-out prompts at
@@ -37,7 +37,7 @@ echo "== evaluating every drafter against plain decoding of the target (greedy, 
 rm -rf "$RUNS/report"
 draftsmith eval --target "$RUNS/mtp" --out "$RUNS/report" --num-prompts 8 --max-new-tokens 64 \
   --prompt-chars 240 --temperature 0 --temperature 1 \
-  --drafter ngram --drafter "draft_lm:$RUNS/draft_lm" --drafter "mtp:$RUNS/mtp" \
+  --drafter ngram --drafter "draft_lm:$RUNS/draft_lm" --drafter "mtp:$RUNS/mtp" --drafter "mtp_exact:$RUNS/mtp" \
   --drafter "eagle3:$RUNS/eagle3" --drafter "eagle3_tree:$RUNS/eagle3" \
   --drafter "dflash:$RUNS/dflash" --drafter "dspark:$RUNS/dspark"
 

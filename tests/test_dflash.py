@@ -56,9 +56,19 @@ def test_defaults_follow_the_reference_and_the_tile_rule():
     assert spread_layer_ids(36, 1) == [18]
     assert [default_gamma(d) for d in (15, 9, 7)] == [7.0, 5.0, 4.0]  # B = 16, 10, 8
     assert default_gamma(8) == 4.5
+    assert default_gamma(31) == 7.0  # capped at the largest published gamma
     config = DFlashConfig.from_target(QWEN3_8B, mask_token_id=151669)
     assert config.num_layers == 5 and config.target_layer_ids == [1, 9, 17, 25, 33]
-    assert config.block_size == auto_block_size(QWEN3_8B) == 32  # G = 4: D = 31, B = 1 + D
+    # G = 4: D = 31, but auto stops at B = 16, the largest published DFlash block.
+    assert config.block_size == auto_block_size(QWEN3_8B) == 16 and config.gamma == 7.0
+    assert auto_block_size(QWEN3_8B, first_prediction_slot=0) == 16  # DSpark: 16 drafts
+    g8 = SimpleNamespace(num_attention_heads=32, num_key_value_heads=4)  # G = 8: D = 15, under the cap
+    assert auto_block_size(g8) == 16 and auto_block_size(g8, first_prediction_slot=0) == 15
+    g16 = SimpleNamespace(num_attention_heads=32, num_key_value_heads=2)  # G = 16: D = 7
+    assert auto_block_size(g16) == 8
+    # A recipe that sets them gets what it sets, past the cap included.
+    wide = DFlashConfig.from_target(QWEN3_8B, mask_token_id=0, block_size=32, gamma=12.0)
+    assert (wide.block_size, wide.gamma) == (32, 12.0)
     assert config.hidden_size == 4096 and config.rope_theta == 1e6
 
 

@@ -14,9 +14,11 @@ from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
 from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer, load_proposer
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
-from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTION, DSparkConfig, DSparkDrafter
+from draftsmith.models.dspark import (
+    ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTION, DSparkConfig, DSparkDrafter, confident_prefix_length,
+)
 from draftsmith.models.export_dflash import (
-    export_dflash_zlab, export_dspark, load_dflash_zlab, load_dspark,
+    export_dflash_zlab, export_dspark_specforge, load_dflash_zlab, load_dspark,
 )
 from draftsmith.models.target import build_tiny_target, target_forward
 
@@ -57,7 +59,8 @@ def test_config_convention_and_block_size():
                                vocab_size=151936, intermediate_size=12288)
     config = DSparkConfig.from_target(qwen3_8b, mask_token_id=151669)
     assert config.block_convention == ANCHOR_IS_FIRST_PREDICTION and config.first_prediction_slot == 0
-    assert config.block_size == config.drafts_per_block == 31  # D of the tile rule, the anchor predicting
+    # D = 31 by the tile rule, the anchor predicting; auto stops at 16, the largest published block.
+    assert config.block_size == config.drafts_per_block == 16 and config.gamma == 7.0
     assert config.markov_rank == 256 and (config.ce_weight, config.tv_weight, config.bce_weight) == (0.1, 0.9, 1.0)
     with pytest.raises(DraftsmithError, match="block_convention 'anchor_last'"):
         DSparkConfig.from_target(qwen3_8b, mask_token_id=0, block_convention="anchor_last")
@@ -140,31 +143,77 @@ def test_loss_parts_and_a_frozen_backbone_training_only_the_heads(target):
     assert drafter.markov_head.markov_w2.weight.abs().sum() > 0
 
 
+def test_stop_rule_on_a_hand_worked_block():
+    """DeepSpec's rule: keep the drafts before the first position whose *own* confidence is
+    below the threshold. Confidences .9 .6 .7 .2 at threshold .5 keep 3 drafts (the old
+    running product .9 .54 .378 would have kept 2); threshold 0 keeps all; 1 keeps none."""
+    logits = torch.logit(torch.tensor([0.9, 0.6, 0.7, 0.2, 0.95]))
+    assert confident_prefix_length(logits, 0.5) == 3
+    assert confident_prefix_length(logits, 0.65) == 1
+    assert confident_prefix_length(logits, 0.0) == 5
+    assert confident_prefix_length(logits, 1.0) == 0
+    assert DSparkConfig.confidence_threshold == 0.0  # the reference's default: the full block
+
+
+def scripted_confidence(proposer, sigmoids):
+    """Make the confidence head say `sigmoids[k]` at position k of every block."""
+    logits, position = torch.logit(torch.tensor(sigmoids)), [0]
+    block = proposer.draft_block
+
+    def draft_block(max_nodes):
+        position[0] = 0
+        return block(max_nodes)
+
+    def confidence(hidden, prev):
+        position[0] += 1
+        return logits[position[0] - 1].expand(hidden.shape[0])
+
+    proposer.draft_block, proposer.drafter.confidence_logits = draft_block, confidence
+    return proposer
+
+
 def test_confidence_head_ends_drafts_early_and_counts_the_rows_saved(target):
     drafter = dspark_for(target, block_size=6)
-    with torch.no_grad():
-        drafter.confidence_head.proj.bias.fill_(-1.0)  # sigmoid ~0.27: prefix acceptance .27, .07, .02 ...
     prompt = torch.randint(0, MASK, (8,), generator=torch.Generator().manual_seed(3))
     expected = target.generate(prompt[None], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    stopping = DSparkProposer(drafter, target, confidence_threshold=0.05)
-    result = SpeculativeDecoder(target, stopping, num_draft=6, eos_token_id=()).generate(prompt, 20)
+    script = [0.9, 0.6, 0.7, 0.2, 0.95, 0.9]
+    stopping = scripted_confidence(DSparkProposer(drafter, target, confidence_threshold=0.5), script)
+    first_block(stopping, target, prompt)
+    assert len(stopping.propose(6, GREEDY, None)) == 3  # the hand-worked block above, through the proposer
+    stopping = scripted_confidence(DSparkProposer(drafter, target, confidence_threshold=0.5), script)
+    decoder = SpeculativeDecoder(target, stopping, num_draft=6, eos_token_id=())
+    result = decoder.generate(prompt, 20)
     assert result.tokens.tolist() == expected[0, 8:].tolist()
     stats = stopping.report_extra()
-    assert stats["early_stop_rate"] > 0.5 and stats["verify_rows_saved"] > stats["early_stops"]
-    full = DSparkProposer(drafter, target, confidence_threshold=0.0)
+    assert stats["confidence_threshold"] == 0.5
+    # Every block of 6 ends after 3 drafts; near the token limit the decoder asks for fewer.
+    assert stats["early_stops"] == stats["proposals"] > 0
+    assert 3 * (stats["proposals"] - 2) <= stats["verify_rows_saved"] <= 3 * stats["proposals"]
+    full = scripted_confidence(DSparkProposer(drafter, target), script)  # the checkpoint's threshold, 0: never stops
     SpeculativeDecoder(target, full, num_draft=6, eos_token_id=()).generate(prompt, 20)
     assert full.report_extra()["early_stops"] == 0 and full.report_extra()["verify_rows_saved"] == 0
 
 
+@pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
+def test_a_threshold_outside_0_1_is_one_line(target, threshold):
+    drafter = dspark_for(target)
+    for call in (lambda: DSparkProposer(drafter, target, confidence_threshold=threshold),
+                 lambda: DSparkConfig.from_target(target.config, mask_token_id=MASK, confidence_threshold=threshold)):
+        with pytest.raises(DraftsmithError, match="must be in \\[0, 1\\], got") as caught:
+            call()
+        assert "\n" not in str(caught.value)
+
+
 def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
     drafter = with_trained_refiner(dspark_for(target))
-    export_dspark(drafter, tmp_path / "dspark")
+    export_dspark_specforge(drafter, tmp_path / "dspark")
     config = json.loads((tmp_path / "dspark" / "config.json").read_text())
-    assert config["architectures"] == ["DSparkDraftModel"] and config["block_convention"] == ANCHOR_IS_FIRST_PREDICTION
-    assert config["dspark_config"]["block_convention"] == ANCHOR_IS_FIRST_PREDICTION
-    assert config["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": MASK, "block_size": 5}
-    assert config["markov_rank"] == 8 and config["markov_head_type"] == "vanilla"
-    assert config["enable_confidence_head"] and config["confidence_head_with_markov"]
+    assert config["architectures"] == ["DSparkDraftModel"]
+    assert config["draftsmith"]["block_convention"] == ANCHOR_IS_FIRST_PREDICTION
+    nested = config["dflash_config"]  # SpecForge reads the heads' settings here (tests/test_exports.py)
+    assert nested["target_layer_ids"] == [1, 3] and nested["mask_token_id"] == MASK and nested["block_size"] == 5
+    assert nested["markov_rank"] == 8 and nested["markov_head_type"] == "vanilla"
+    assert nested["enable_confidence_head"] and nested["confidence_head_with_markov"]
     with safe_open(str(tmp_path / "dspark" / "model.safetensors"), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert {k: v for k, v in shapes.items() if k.startswith(("markov", "confidence"))} == {
@@ -191,15 +240,15 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
     save_drafter(dflash, tmp_path / "dflash-native")
     narrow = build_tiny_target(vocab_size=VOCAB, num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2)
     for call, match in (
-        (lambda: load_dflash_zlab(tmp_path / "dspark"), "holds a DSpark checkpoint .* load it with load_dspark"),
-        (lambda: load_dspark(tmp_path / "dflash"), "holds a DFlash checkpoint .* load it with load_dflash_zlab"),
+        (lambda: load_dflash_zlab(tmp_path / "dspark"), "holds a dspark drafter, not dflash .*as dspark:"),
+        (lambda: load_dspark(tmp_path / "dflash"), "holds a dflash drafter, not dspark .*as dflash:"),
         (lambda: load_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
         (lambda: load_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
         (lambda: load_proposer(tmp_path / "native", target, "dflash"), "holds a dspark drafter, not dflash"),
-        (lambda: load_proposer(tmp_path / "dflash", target, "dspark"), "holds a DFlash checkpoint"),
+        (lambda: load_proposer(tmp_path / "dflash", target, "dspark"), "holds a dflash drafter, not dspark"),
         (lambda: load_proposer(tmp_path / "dflash", narrow, "dflash"), "hidden size 64, the target has 32"),
         (lambda: export_dflash_zlab(drafter, tmp_path / "x"), "this is a DSpark drafter"),
-        (lambda: export_dspark(dflash, tmp_path / "x"), "this is a DFlash drafter"),
+        (lambda: export_dspark_specforge(dflash, tmp_path / "x"), "this is a DFlash drafter"),
     ):
         with pytest.raises(DraftsmithError, match=match) as caught:
             call()
@@ -218,3 +267,19 @@ def test_greedy_speculative_output_equals_target_generate(arch):
         assert decoder.generate(prompt, 30).tokens.tolist() == expected[0, 10:].tolist()
     sampled = decoder.generate(prompt, 30, SamplingParams(temperature=0.8, top_p=0.9), torch.Generator().manual_seed(0))
     assert len(sampled.tokens) == 30
+
+
+def test_eval_sets_the_threshold_per_run_and_refuses_one_outside_0_1(target, tmp_path, capsys):
+    from draftsmith.cli import main
+    from draftsmith.eval.proposers import proposer_from_spec
+
+    drafter = dspark_for(target, confidence_threshold=0.2)
+    save_drafter(drafter, tmp_path / "native")
+    assert proposer_from_spec(f"dspark:{tmp_path / 'native'}", target).threshold == 0.2  # the checkpoint's
+    chosen = proposer_from_spec(f"dspark:{tmp_path / 'native'}", target, {"dspark": {"confidence_threshold": 0.0}})
+    assert chosen.threshold == 0.0 and chosen.report_extra()["confidence_threshold"] == 0.0
+    code = main(["eval", "--target", str(tmp_path), "--drafter", f"dspark:{tmp_path / 'native'}",
+                 "--confidence-threshold", "1.5", "--out", str(tmp_path / "report")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == "draftsmith: error: --confidence-threshold must be in [0, 1], got 1.5"
+    assert not (tmp_path / "report").exists()

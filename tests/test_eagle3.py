@@ -388,7 +388,8 @@ def test_tree_scores_are_path_log_probabilities(trained):
     prompt = seqs[1, :PROMPT]
     first = decoder.start(prompt, 16).last
     nodes = proposer.grow_tree(12)
-    assert len(nodes) == 3 + 3 * 9 and max(nodes.depth) == 4
+    # Depth 4 (the cap), 3 + 3 * 9 nodes at most: expansion stops under hopeless nodes.
+    assert len(nodes) <= 3 + 3 * 9 and max(nodes.depth) <= 4
     draft_index = torch.cumsum(drafter.t2d.long(), 0) - 1
     with torch.no_grad():
         context, root = _context_entries(target, drafter, prompt, first)
@@ -416,3 +417,51 @@ def test_tree_is_a_bfs_tree_within_budget(trained):
     for p in set(parents):  # siblings are distinct tokens
         kids = [int(draft.tokens[i]) for i, q in enumerate(parents) if q == p]
         assert len(kids) == len(set(kids))
+
+
+def certain(drafter: Eagle3Drafter) -> Eagle3Drafter:
+    """The same drafter made certain: its head scaled until every argmax has probability ~1."""
+    sure = Eagle3Drafter(drafter.config)
+    sure.load_state_dict(drafter.state_dict())
+    with torch.no_grad():
+        sure.lm_head.weight.mul_(1e4)
+    return sure.eval()
+
+
+def test_a_tree_whose_drafter_is_certain_is_a_chain(trained):
+    """Nodes are chosen by cumulative draft probability and the depth follows the budget,
+    so a certain drafter spends all 7 nodes on one path: the chain it would draft."""
+    _, target, drafter, seqs, _ = trained
+    sure = certain(drafter)
+    chain, _ = _drafts(target, sure, seqs, "chain")
+    decoder = SpeculativeDecoder(target, Eagle3Proposer(sure, mode="tree"), num_draft=7, eos_token_id=())
+    decoder.start(seqs[0, :PROMPT], 16)
+    tree = decoder.drafter.propose(7, SamplingParams(), None)
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3, 4, 5]  # one path, 7 deep (the old depth cap was 6)
+    chain = Eagle3Proposer(sure, mode="chain")
+    SpeculativeDecoder(target, chain, num_draft=7, eos_token_id=()).start(seqs[0, :PROMPT], 16)
+    assert tree.tokens.tolist() == chain.propose(7, SamplingParams(), None).tokens.tolist()
+
+
+def test_tree_depth_follows_the_node_budget(trained):
+    """Budget 15: the tree may reach depth 15 (EAGLE-2 sizes depth by the token budget)
+    and stays within budget; a `budget` option below the decoder's caps it."""
+    _, target, drafter, seqs, _ = trained
+    proposer = Eagle3Proposer(certain(drafter), mode="tree", budget=5)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=15, eos_token_id=())
+    decoder.start(seqs[1, :PROMPT], 24)
+    assert proposer.propose(15, SamplingParams(), None).parents.tolist() == [-1, 0, 1, 2, 3]
+    proposer.budget = None
+    assert len(proposer.propose(15, SamplingParams(), None)) == 15
+    assert max(proposer.grow_tree(15).depth) == 15
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"budget": 0}, "node budget must be at least one node, got 0"),
+    ({"depth": 0}, "topk and depth must be >= 1"),
+    ({"mode": "forest"}, "drafting mode 'forest'"),
+])
+def test_bad_tree_options_are_one_line(trained, options, match):
+    with pytest.raises(DraftsmithError, match=match) as caught:
+        Eagle3Proposer(trained[2], **{"mode": "tree", **options})
+    assert "\n" not in str(caught.value)

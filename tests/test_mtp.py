@@ -26,7 +26,7 @@ def rope(x, positions, theta):
 
 
 def reference_depth1(layer, target, ids, h0):
-    """Depth 1 written out by hand from DESIGN.md section 7 (one sequence)."""
+    """Depth 1 written out by hand from docs/design.md section 7 (one sequence)."""
     cfg = target.config
     eps, H = cfg.rms_norm_eps, cfg.hidden_size
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -90,3 +90,29 @@ def test_save_uses_deepseek_names_and_reloads(tmp_path):
     h0 = target_forward(target, ids, capture=[1]).hidden[1]
     for a, b in zip(mtp_forward(heads, target, ids, h0), mtp_forward(loaded, target, ids, h0)):
         assert torch.equal(a, b)
+
+
+def test_eager_attention_trains_the_same_causal_modules():
+    """transformers' eager attention reads a missing mask as full attention, so the training
+    forward passes an explicit causal mask: eager and SDPA give the same logits, and under
+    eager a later token changes no earlier position."""
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for impl in ("sdpa", "eager"):
+        target = build_tiny_target(vocab_size=97, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                                   attn_implementation=impl)
+        assert target.config._attn_implementation == impl
+        torch.manual_seed(1)
+        heads = MTPDrafter.for_target(target, 2)
+        _randomise(heads)
+        h0 = target_forward(target, ids, capture=[1]).hidden[1]
+        logits[impl] = mtp_forward(heads, target, ids, h0)
+    for a, b in zip(logits["sdpa"], logits["eager"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 97
+    h0 = target_forward(target, changed, capture=[1]).hidden[1]
+    for a, b in zip(logits["eager"], mtp_forward(heads, target, changed, h0)):
+        # Depth k at position i reads t_{i+k}: the last token only at its last position, T - 1 - k.
+        torch.testing.assert_close(a[:, :-1], b[:, :-1], atol=1e-6, rtol=1e-6)
+        assert not torch.allclose(a[:, -1], b[:, -1])

@@ -59,7 +59,7 @@ def test_yaml_sets_only_what_differs_and_overrides_win(tmp_path):
     ("trian.lr=3", "trian: unknown key"),
     ("train.lr=fast", "train.lr: expected float, got 'fast'"),
     ("train.max_steps=1.5", "train.max_steps: expected int, got 1.5"),
-    ("train.resume=maybe", "train.resume: expected bool"),
+    ("train.resume=3", "train.resume: expected bool | str"),
     ("method.num_depthz=2", "method.num_depthz: unknown key"),
     ("method.name=medusa", "method.name: unknown method 'medusa'"),
     ("train=3", "train: expected a mapping"),

@@ -126,3 +126,31 @@ def test_command_answers_a_conversation_file(target, tokenizer, tmp_path):
         (tmp_path / "bare").mkdir()
         target.save_pretrained(tmp_path / "bare")
         regenerate_command(str(tmp_path / "bare"), None, str(tmp_path / "y.jsonl"))
+
+
+def test_sampled_regeneration_is_reproducible_from_its_seed(target, tokenizer, tmp_path):
+    settings = dict(max_new_tokens=12, temperature=0.7, top_p=0.8, top_k=20, batch_size=2)
+    first = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "a.jsonl", seed=3, **settings).read_bytes()
+    again = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "b.jsonl", seed=3, **settings).read_bytes()
+    other = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "c.jsonl", seed=4, **settings).read_bytes()
+    assert first == again and first != other
+    # top_k reaches the sampler: sampling among the single likeliest token is greedy decoding.
+    one = dict(settings, top_k=1)
+    sampled = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "k1.jsonl", seed=5, **one))
+    greedy = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "g.jsonl", max_new_tokens=12,
+                             temperature=0.0, batch_size=2))
+    assert sampled == greedy
+    for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
+        with pytest.raises(DraftsmithError, match="top_p .* must be in \\(0, 1\\] and top_k"):
+            regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", **{**settings, **bad})
+
+
+def test_post_hoc_recipes_regenerate_sampled_and_key_the_cache_on_it():
+    from draftsmith.recipe import recipe_from_dict
+    from draftsmith.train.posthoc import rows_settings
+
+    base = recipe_from_dict({"method": {"name": "eagle3"}})
+    assert (base.data.regen_temperature, base.data.regen_top_p, base.data.regen_top_k) == (0.7, 0.8, 20)
+    for key, value in (("regen_top_p", 0.9), ("regen_top_k", 50), ("regen_temperature", 0.0)):
+        changed = recipe_from_dict({"method": {"name": "eagle3"}, "data": {key: value}})
+        assert rows_settings(changed) != rows_settings(base), key

@@ -76,6 +76,14 @@ def test_format_plan_explains_g_and_tabulates_around_d():
     assert "| 18 | 133 | 2 |" in text
     assert "| 35 | 252 | 2 |" in text  # 2D + 1
     assert "tree of 18 nodes" in text
+    assert "DFlash block_size auto = 16 (15 drafts; DSpark: 16 drafts), capped at 16" in text  # D = 17
+
+
+def test_format_plan_states_the_block_cap_only_when_it_applies():
+    text = format_plan(plan_tile(LLAMA_3_70B))  # G = 8: D = 15, 1 + D = 16 fits the cap
+    assert "DFlash block_size auto = 16 (15 drafts; DSpark: 15 drafts)" in text and "capped" not in text
+    text = format_plan(plan_tile(QWEN3_8B))  # G = 4: D = 31
+    assert "block_size auto = 16" in text and "capped at 16" in text and "set block_size and gamma" in text
 
 
 def test_tree_budget_counts_the_root():

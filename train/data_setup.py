@@ -12,14 +12,11 @@ from draftsmith.recipe import Recipe
 
 
 def load_tokenizer(recipe: Recipe):
-    from transformers import AutoTokenizer
+    from draftsmith.data.tokenizer import load_pretrained_tokenizer
 
     source = recipe.data.tokenizer or (resolve_model_dir(recipe.target.path) if recipe.target.path else "")
     if source:
-        try:
-            return AutoTokenizer.from_pretrained(str(source))
-        except (OSError, ValueError) as exc:
-            raise DraftsmithError(f"cannot load tokenizer from {source}: {str(exc).splitlines()[0]}") from None
+        return load_pretrained_tokenizer(source, "data.tokenizer" if recipe.data.tokenizer else "target")
     from draftsmith.data.corpus import load_embedded_corpus
     from draftsmith.data.tokenizer import train_tokenizer
 

@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file, ensure_writable_dir
-from draftsmith.recipe import Recipe, dump_recipe
+from draftsmith.fsutil import atomic_file, ensure_writable_dir, read_json
+from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs
 from draftsmith.train.method import build_method
 
@@ -78,8 +78,41 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(accelerator, out_dir: Path, step: int, keep: int) -> None:
-    """save_state into a temporary folder, renamed into place once every rank is done."""
+def _other_checkpoints(path: Path) -> str:
+    others = [str(p) for p in sorted(path.parent.glob("step-*")) if p != path and (p / "step.json").is_file()]
+    if not others:
+        return "no earlier checkpoint to resume from"
+    return f"resume from an earlier one with train.resume=PATH ({', '.join(others)})"
+
+
+def check_checkpoint(path: Path) -> int:
+    """The step of checkpoint `path`, once every file its save recorded is there, whole."""
+    meta_file = path / "step.json"
+    if not meta_file.is_file():
+        raise DraftsmithError(f"train.resume: {path} is not a checkpoint (no step.json; checkpoints are "
+                              f"RUN/{CHECKPOINTS}/step-NNNNNNN)")
+    try:
+        meta = json.loads(meta_file.read_text())
+        step = int(meta["step"])
+    except (ValueError, KeyError, TypeError):
+        raise DraftsmithError(f"checkpoint {path}: step.json is damaged; {_other_checkpoints(path)}") from None
+    for name, size in meta.get("files", {}).items():  # absent in checkpoints from before the manifest
+        file = path / name
+        if not file.is_file():
+            raise DraftsmithError(f"checkpoint {path}: {name} is missing; {_other_checkpoints(path)}")
+        if file.stat().st_size != size:
+            raise DraftsmithError(f"checkpoint {path}: {name} is truncated ({file.stat().st_size} of {size} bytes); "
+                                  f"{_other_checkpoints(path)}")
+    return step
+
+
+def save_checkpoint(accelerator, out_dir: Path, step: int, keep: int, window: dict | None = None) -> None:
+    """save_state into a temporary folder, renamed into place once every rank is done.
+
+    step.json, written last, lists every file with its size, so that a resume names a file
+    lost or cut short later. `window` (each rank's unlogged metric sums) lets a resumed run
+    log the same windows as an uninterrupted one. A write that fails (a full disk) removes
+    the temporary folder and stops the run; the previous checkpoint is left as it was."""
     folder = out_dir / CHECKPOINTS
     final = folder / f"step-{step:07d}"
     tmp = folder / f".tmp-step-{step:07d}"
@@ -87,11 +120,26 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, keep: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         folder.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        (tmp / f"window-{accelerator.process_index}.json").write_text(json.dumps(window or {}))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+            with atomic_file(tmp / "step.json") as f:
+                json.dump({"step": step, "files": files}, f)
+    except Exception as exc:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # torch.save reports a full disk as a RuntimeError ("file write failed"), others as OSError.
+        if not isinstance(exc, OSError) and "writ" not in str(exc).lower():
+            raise
+        previous = latest_checkpoint(out_dir)
+        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        raise DraftsmithError(f"cannot write the checkpoint of step {step} in {folder} ({reason}); "
+                              + (f"the previous checkpoint {previous} is intact" if previous
+                                 else "no earlier checkpoint exists")) from None
     if accelerator.is_main_process:
-        with atomic_file(tmp / "step.json") as f:
-            json.dump({"step": step}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         for old in sorted(folder.glob("step-*"))[:-keep] if keep > 0 else []:
@@ -104,9 +152,9 @@ def evaluate(method, model, loader, max_batches: int, step: int, accelerator) ->
     sums: dict[str, float] = {}
     count = 0
     with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if i >= max_batches:
-                break
+        # zip stops before fetching a batch past max_batches: fetching one more would end the
+        # loader's pass and make gather_for_metrics cut its input to the last batch's remainder.
+        for _, batch in zip(range(max_batches), loader):
             loss, metrics = method.loss(model, batch, step)
             for k, v in {"loss": loss.item(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -115,30 +163,78 @@ def evaluate(method, model, loader, max_batches: int, step: int, accelerator) ->
     means = {f"val/{k}": v / max(1, count) for k, v in sums.items()}
     if "val/loss_main" in means:
         means["val/ppl"] = math.exp(min(50.0, means["val/loss_main"]))
-    gathered = accelerator.gather_for_metrics(torch.tensor(list(means.values()), device=accelerator.device))
+    # One row of means per process (not per sample): plain gather, never gather_for_metrics.
+    gathered = accelerator.gather(torch.tensor(list(means.values()), device=accelerator.device))
     gathered = gathered.view(-1, len(means)).mean(0).tolist() if means else []
     return dict(zip(means, gathered))
 
 
+def check_positions(recipe: Recipe) -> None:
+    """Refuse rows longer than the target takes, before any data is prepared."""
+    t = recipe.target
+    if t.path:
+        from draftsmith.models.target import resolve_model_dir
+
+        config = Path(resolve_model_dir(t.path)) / "config.json"
+        config = read_json(config) if config.is_file() else {}  # a hub name: checked once loaded, by no one
+        positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
+            "max_position_embeddings")
+        where = f"target {t.path}"
+    else:
+        positions, where = t.max_position_embeddings, "target.max_position_embeddings"
+    if positions and recipe.train.seq_len > positions:
+        raise DraftsmithError(f"train.seq_len={recipe.train.seq_len} is beyond the {positions} positions of {where}")
+
+
+def _remove_empty(folder: Path) -> None:
+    """Remove `folder` if it (and every folder in it) is empty."""
+    if not folder.is_dir():
+        return
+    for sub in sorted(folder.rglob("*"), reverse=True):
+        if sub.is_dir():
+            try:
+                sub.rmdir()
+            except OSError:
+                return
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
 def train(recipe: Recipe) -> Path:
+    validate(recipe)
+    fresh = not Path(recipe.train.output_dir).exists()
+    try:
+        return _train(recipe)
+    except BaseException:
+        if fresh:  # a run that failed before writing anything leaves no empty run folder
+            _remove_empty(Path(recipe.train.output_dir))
+        raise
+
+
+def _train(recipe: Recipe) -> Path:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
     t = recipe.train
     out_dir = ensure_writable_dir(t.output_dir)
-    resume_from = latest_checkpoint(out_dir) if t.resume else None
-    if t.resume and resume_from is None:
-        raise DraftsmithError(f"train.resume=true but {out_dir}/{CHECKPOINTS} holds no checkpoint")
-    if t.max_steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
-        raise DraftsmithError("train.max_steps, train.batch_size and train.grad_accum must be positive")
+    if t.resume is True:
+        resume_from = latest_checkpoint(out_dir)
+        if resume_from is None:
+            raise DraftsmithError(f"train.resume=true but {out_dir}/{CHECKPOINTS} holds no checkpoint")
+    else:
+        resume_from = Path(t.resume) if t.resume else None
+    resume_step = check_checkpoint(resume_from) if resume_from is not None else 0
+    check_positions(recipe)
     check_launch(recipe.method.name)
 
     accelerator = make_accelerator(recipe, out_dir)
+    if accelerator.is_main_process:  # what an interrupted save left (one run per folder)
+        for stale in (out_dir / CHECKPOINTS).glob(".tmp-step-*"):
+            shutil.rmtree(stale, ignore_errors=True)
     set_seed(t.seed)
     method = build_method(recipe, accelerator.device)
-    if accelerator.is_main_process:
-        with atomic_file(out_dir / "recipe.yaml") as f:
-            f.write(dump_recipe(recipe))
 
     gen = torch.Generator().manual_seed(t.seed)
     train_loader = DataLoader(method.train_data, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=gen)
@@ -152,10 +248,23 @@ def train(recipe: Recipe) -> Path:
         method.model, optimizer, train_loader, eval_loader, scheduler)
 
     step = 0
+    window: dict[str, float] = {}
+    window_n, tokens, elapsed = 0, 0, 0.0
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        step = json.loads((resume_from / "step.json").read_text())["step"]
+        try:
+            accelerator.load_state(str(resume_from))
+        except Exception as exc:  # another model shape, a damaged file: the checkpoint, not our bug
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+            raise DraftsmithError(f"cannot resume from {resume_from}: {' '.join(lines) or type(exc).__name__}") from None
+        step = resume_step
+        saved = resume_from / f"window-{accelerator.process_index}.json"
+        if saved.is_file():
+            w = json.loads(saved.read_text())
+            window, window_n, tokens, elapsed = w.get("sums", {}), w.get("n", 0), w.get("tokens", 0), w.get("s", 0.0)
         accelerator.print(f"resumed from {resume_from} at step {step}")
+    if accelerator.is_main_process:  # after a resume has loaded: a refused one leaves the run's recipe
+        with atomic_file(out_dir / "recipe.yaml") as f:
+            f.write(dump_recipe(recipe))
     if accelerator.is_main_process:
         accelerator.init_trackers(recipe.tracking.project, config=_flat(recipe),
                                   init_kwargs={"wandb": {"name": recipe.tracking.run_name or out_dir.name,
@@ -173,8 +282,7 @@ def train(recipe: Recipe) -> Path:
                               f"fewer than train.grad_accum={t.grad_accum}")
     bar = tqdm(total=t.max_steps, initial=step, desc=f"train {recipe.method.name}",
                disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    window: dict[str, float] = {}
-    window_n, tokens, started = 0, 0, time.perf_counter()
+    started = time.perf_counter() - elapsed
     model.train()
     while step < t.max_steps:
         epoch, skip = divmod(micro, per_epoch)
@@ -216,7 +324,9 @@ def train(recipe: Recipe) -> Path:
                     bar.write(f"step {step}: " + ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
                                                              if k in ("val/loss", "val/ppl", "val/tau_est")))
             if step % t.save_every == 0 or step == t.max_steps:
-                save_checkpoint(accelerator, out_dir, step, t.keep_checkpoints)
+                save_checkpoint(accelerator, out_dir, step, t.keep_checkpoints,
+                                {"sums": window, "n": window_n, "tokens": tokens,
+                                 "s": time.perf_counter() - started})
             if step >= t.max_steps or micro % per_epoch == 0:
                 break
     bar.close()
@@ -241,7 +351,17 @@ def _log(accelerator, history: Path, step: int, logs: dict[str, float]) -> None:
 def _truncate_history(history: Path, step: int) -> None:
     if not history.is_file():
         return
-    keep = [line for line in history.read_text().splitlines() if json.loads(line)["step"] <= step]
+    lines = history.read_text(errors="replace").splitlines()
+    keep = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):  # the line an interruption cut short
+                break
+            raise DraftsmithError(f"{history}:{number}: not a metrics record; remove the line to resume") from None
+        if row_step <= step:
+            keep.append(line)
     with atomic_file(history) as f:
         f.write("".join(line + "\n" for line in keep))
 

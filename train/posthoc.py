@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import json
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import atomic_file
 from draftsmith.models.feature_cache import (
-    ROW_KEYS, FeatureCache, load_target_ends, target_fingerprint, write_feature_cache,
+    ROW_KEYS,
+    FeatureCache,
+    load_target_ends,
+    target_fingerprint,
+    write_feature_cache,
 )
 from draftsmith.models.target import TargetOutput, load_target, resolve_model_dir, target_forward
 from draftsmith.recipe import Recipe
@@ -40,27 +45,76 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     embedded default, whose prompts have no answers). Returns (source, plain_text)."""
     from accelerate import PartialState
 
-    from draftsmith.data.conversations import load_conversations
+    from draftsmith.data.processes import current_processes
     from draftsmith.data.regenerate import embedded_conversations, regenerate
 
     data = recipe.data
     embedded = data.dataset == "embedded"
     if not embedded and not data.regenerate:
-        return data.dataset, False
+        return _dataset_file(recipe), False
     # Answers depend only on the target and these settings, so every drafter trained
     # against the same target shares them: they are cached under a key of both.
     settings = json.dumps([data.dataset, data.num_conversations, data.prompt_chars, data.regen_max_new_tokens,
-                           data.regen_temperature, recipe.train.seed,
-                           target_fingerprint(resolve_model_dir(recipe.target.path))], sort_keys=True)
+                           data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed,
+                           target_fingerprint(resolve_model_dir(recipe.target.path)),
+                           *_dataset_settings(data).values()], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:16]
     out = cache_dir() / "regenerated" / f"{key}.jsonl"
-    with PartialState().main_process_first():  # one process answers; the others read its file
-        if not out.is_file():
-            conversations = (embedded_conversations(data.num_conversations, data.prompt_chars) if embedded
-                             else load_conversations(data.dataset))
-            regenerate(target, tokenizer, conversations, out, max_new_tokens=data.regen_max_new_tokens,
-                       temperature=data.regen_temperature, seed=recipe.train.seed, plain=embedded)
+    conversations = lambda: (embedded_conversations(data.num_conversations, data.prompt_chars)  # noqa: E731
+                             if embedded else _load_dataset(data))
+    if data.regen_servers:
+        from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
+
+        with PartialState().main_process_first():  # the main process asks the servers; the others read its file
+            if not out.is_file():
+                target_dir = resolve_model_dir(recipe.target.path)
+                sampling = sampling_for(target_dir, tokenizer, embedded, data.regen_max_new_tokens,
+                                        data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed)
+                regenerate_via_servers(data.regen_servers, (recipe.target.path, str(target_dir)), tokenizer,
+                                       conversations(), out, sampling, plain=embedded,
+                                       limits=Limits(in_flight=data.regen_in_flight))
+        return out, embedded
+    # Every process answers its share of the batches; the main one merges them (data/processes.py).
+    # All test the file before any can write it: the merge waits for every process.
+    if not out.is_file():
+        regenerate(target, tokenizer, conversations(), out, max_new_tokens=data.regen_max_new_tokens,
+                   temperature=data.regen_temperature, top_p=data.regen_top_p, top_k=data.regen_top_k,
+                   seed=recipe.train.seed, plain=embedded, processes=current_processes())
     return out, embedded
+
+
+def _dataset_settings(data) -> dict:
+    """How a dataset folder or hub dataset is read, where set (unset: keys of older caches hold)."""
+    given = {"data.dataset_config": data.dataset_config, "data.dataset_split": data.dataset_split,
+             "data.columns": data.columns}
+    return {k: v for k, v in given.items() if v and not (k == "data.dataset_split" and v == "train")}
+
+
+def _load_dataset(data):
+    from draftsmith.data.conversations import load_conversations
+
+    return load_conversations(data.dataset, config=data.dataset_config, split=data.dataset_split,
+                              columns=data.columns)
+
+
+def _dataset_file(recipe: Recipe) -> Path | str:
+    """The conversations as a file the row tokenizer reads: the dataset file itself, or, for a
+    dataset folder, a hub dataset or a column mapping, its records written once as messages."""
+    from accelerate import PartialState
+
+    from draftsmith.data.conversations import is_dataset
+
+    data = recipe.data
+    if not (_dataset_settings(data) or is_dataset(data.dataset)):
+        return data.dataset
+    key = hashlib.sha256(json.dumps([data.dataset, _dataset_settings(data)], sort_keys=True).encode()).hexdigest()
+    out = cache_dir() / "conversations" / f"{key[:16]}.jsonl"
+    with PartialState().main_process_first():
+        if not out.is_file():
+            records = _load_dataset(data)
+            with atomic_file(out) as handle:
+                handle.writelines(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in records)
+    return out
 
 
 class LossForward(nn.Module):
@@ -96,7 +150,9 @@ def rows_settings(recipe: Recipe) -> dict:
     d, t = recipe.data, recipe.train
     return {"data.dataset": d.dataset, "data.regenerate": d.regenerate, "data.num_conversations": d.num_conversations,
             "data.prompt_chars": d.prompt_chars, "data.regen_max_new_tokens": d.regen_max_new_tokens,
-            "data.regen_temperature": d.regen_temperature, "train.seq_len": t.seq_len, "train.seed": t.seed}
+            "data.regen_temperature": d.regen_temperature, "data.regen_top_p": d.regen_top_p,
+            "data.regen_top_k": d.regen_top_k, "train.seq_len": t.seq_len, "train.seed": t.seed,
+            **_dataset_settings(d)}
 
 
 class PostHocMethod(TrainMethod):
@@ -110,12 +166,12 @@ class PostHocMethod(TrainMethod):
 
     def __init__(self, recipe: Recipe, device: torch.device):
         super().__init__(recipe, device)
-        from transformers import AutoTokenizer
+        from draftsmith.data.tokenizer import load_pretrained_tokenizer
 
         if not recipe.target.path:
             raise DraftsmithError(f"method {recipe.method.name} trains against a frozen target: set target.path=")
         self.target_dir = resolve_model_dir(recipe.target.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.target_dir))
+        self.tokenizer = load_pretrained_tokenizer(self.target_dir)
         self.cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
         if self.cache is not None:
             self.cache.expect_target(self.target_dir)
@@ -166,8 +222,12 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
     if recipe.method.name not in posthoc():
         raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(posthoc())} "
                               "read target features")
+    from draftsmith.data.processes import current_processes
+
     recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # Under `accelerate launch` every process computes its share of the shards on its own device.
+    processes = current_processes()
+    device = torch.device(processes.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     method = build_method(recipe, device)
     train_rows, eval_rows = method.train_data[:], method.eval_data[:]
     tokens = {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
@@ -179,4 +239,5 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
         "splits": {"train": len(method.train_data), "eval": len(method.eval_data)},
     }
     return write_feature_cache(out, identity, tokens, lambda batch: method.features(
-        {k: v.to(device) for k, v in batch.items()}), batch_size=batch_size, shard_rows=shard_rows)
+        {k: v.to(device) for k, v in batch.items()}), batch_size=batch_size, shard_rows=shard_rows,
+        processes=processes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.target import resolve_model_dir
+from draftsmith.models.target import check_capturable, resolve_model_dir
 from draftsmith.registry import proposer_names, resolve
 
 
@@ -34,10 +34,14 @@ def parse_spec(spec: str) -> tuple[str, Path | None]:
     return name, Path(resolve_model_dir(path))
 
 
-def proposer_from_spec(spec: str, target):
-    """The proposer a spec names, built for `target`; its `name` is the spec's name."""
+def proposer_from_spec(spec: str, target, overrides: dict[str, dict] | None = None):
+    """The proposer a spec names, built for `target`; its `name` is the spec's name.
+    `overrides`: method name -> proposer options set for this run (e.g. eval's
+    --confidence-threshold for dspark); they win over a variant's own options."""
     name, path = parse_spec(spec)
     method, options = proposer_names()[name]
+    options = {**options, **(overrides or {}).get(method.name, {})}
     proposer = resolve(method.proposer, f"drafter {spec!r}")(path, target, **options)
     proposer.name = name
+    check_capturable(target, proposer.capture_layers, f"drafter {spec!r}")
     return proposer

@@ -8,8 +8,9 @@ draft survives (the block's own K/V are never cached). A proposal runs the block
 [anchor, MASK ...] at positions len(cache).. over that cache.
 
 DSpark adds the serial refiner (left to right over the drafted tokens) and may end a draft
-early when its confidence head predicts that the rest would be rejected; it counts those
-early stops and the verify rows they saved (`stats()`).
+before the first position whose own confidence is below a threshold (DeepSpec's rule;
+default 0, the full block); it counts those early stops and the verify rows they saved
+(`report_extra()`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams, TargetContext
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
-from draftsmith.models.dspark import DSparkDrafter
+from draftsmith.models.dspark import DSparkDrafter, check_threshold
 
 
 class DFlashProposer:
@@ -64,13 +65,15 @@ class DFlashProposer:
 
 
 class DSparkProposer(DFlashProposer):
-    """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block.
+    """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block
+    (`draftsmith eval --confidence-threshold` sets it per run).
     `refiner=False` drafts with the backbone alone (an ablation; the result stays exact)."""
 
     def __init__(self, drafter: DSparkDrafter, target, name: str = "dspark",
                  confidence_threshold: float | None = None, refiner: bool = True):
         super().__init__(drafter, target, name)
-        self.threshold = drafter.config.confidence_threshold if confidence_threshold is None else confidence_threshold
+        chosen = drafter.config.confidence_threshold if confidence_threshold is None else confidence_threshold
+        self.threshold = check_threshold(chosen, "dspark confidence threshold")
         self.refiner = refiner
         self.proposals = 0  # proposals that asked for at least one draft
         self.early_stops = 0  # of those, ended early by the confidence head
@@ -107,11 +110,12 @@ class DSparkProposer(DFlashProposer):
 
 
 def load_proposer(path, target, method: str = "dflash", **options) -> DFlashProposer:
-    """The decode adapter of a DFlash or DSpark checkpoint (a training run's native model/
-    folder, or a z-lab / DSpark export); `method` must be what the checkpoint holds."""
-    from draftsmith.models.export_dflash import load_block_drafter
+    """The decode adapter of a DFlash or DSpark checkpoint in any layout we write (a
+    training run's native model/, a z-lab, SpecForge or DeepSpec folder, ours or trained
+    by those tools); `method` must be what the checkpoint holds."""
+    from draftsmith.models.export_dflash import load_any
 
-    drafter = load_block_drafter(path, method).to(next(target.parameters()).device)
+    drafter = load_any(path, method, target).to(next(target.parameters()).device)
     adapter = DSparkProposer if method == "dspark" else DFlashProposer
     return adapter(drafter, target, name=method, **options)
 

@@ -13,6 +13,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
+from draftsmith.fsutil import read_json
 from draftsmith.models.target import crop_cache, new_cache, target_forward
 
 
@@ -70,5 +71,15 @@ def load_proposer(path, target, **options) -> DraftLMProposer:
 
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"draft model {path}: no config.json (expected a draft_lm run or a HF model folder)")
-    model = AutoModelForCausalLM.from_pretrained(str(path)).to(next(target.parameters()).device)
+    meta = read_json(path / "config.json")
+    if meta.get("format") == "draftsmith":  # a native drafter of another method, not a causal LM
+        raise DraftsmithError(f"draft model {path} is a {meta.get('method')} drafter, not a causal LM "
+                              f"(use --drafter {meta.get('method')}:{path})")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+    except Exception as exc:  # a corrupt or foreign folder: its files, not our bug
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+        raise DraftsmithError(f"draft model {path}: cannot load it as a causal LM: "
+                              f"{' '.join(lines) or type(exc).__name__}") from None
+    model = model.to(next(target.parameters()).device)
     return DraftLMProposer(model, target, name="draft_lm")

@@ -21,35 +21,37 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import process_logits, sample
-from draftsmith.fsutil import read_json
 from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
-from draftsmith.models.native import load_drafter
-from draftsmith.models.export_eagle3 import load_eagle3_export
+from draftsmith.models.export_eagle3 import load_any
 
 
 def load_proposer(path: str | Path, target, tree: bool = False, **options) -> "Eagle3Proposer":
-    """A native EAGLE-3 folder (a training run's model/) or an SGLang/vLLM export, as a
-    chain drafter or, with `tree`, an EAGLE-2 tree drafter (`topk`, `depth` in options)."""
-    native = read_json(Path(path) / "config.json").get("format") == "draftsmith"
-    drafter = load_drafter(path, "eagle3", target) if native else load_eagle3_export(path, target)
+    """A native EAGLE-3 folder (a training run's model/) or an SGLang/vLLM/SpecForge one, as
+    a chain drafter or, with `tree`, an EAGLE-2 tree drafter (`topk`, `depth` in options)."""
+    drafter = load_any(path, target)
     return Eagle3Proposer(drafter, mode="tree" if tree else "chain", **options)
 
 
 class Eagle3Proposer:
     """`mode="chain"`: max_nodes autoregressive drafts. `mode="tree"`: EAGLE-2's dynamic tree,
-    `topk` children per expanded node and `topk` nodes expanded per depth, up to `depth`
-    levels, then the max_nodes nodes of highest cumulative draft log-probability (always a
-    tree: a child never scores above its parent). Tree drafts are deterministic (`probs`
-    None), which the decoder's tree sampling accepts losslessly."""
+    `topk` children per expanded node and `topk` nodes expanded per depth, then the nodes of
+    highest cumulative draft log-probability, as many as the node budget (always a tree: a
+    child never scores above its parent). The budget is the decoder's max_nodes, or
+    `budget` when smaller; the depth follows from it (up to `budget` levels, as EAGLE-2's
+    depth follows its total-token budget; `depth` caps it), so a chain is one possible
+    tree and a confident drafter grows a deep, narrow one. Tree drafts are deterministic
+    (`probs` None), which the decoder's tree sampling accepts losslessly."""
 
-    def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int = 6,
-                 name: str | None = None):
+    def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int | None = None,
+                 budget: int | None = None, name: str | None = None):
         if mode not in ("chain", "tree"):
             raise DraftsmithError(f"EAGLE-3 drafting mode {mode!r}: expected 'chain' or 'tree'")
-        if topk < 1 or depth < 1:
+        if topk < 1 or (depth is not None and depth < 1):
             raise DraftsmithError(f"EAGLE-3 tree: topk and depth must be >= 1, got {topk} and {depth}")
+        if budget is not None and budget < 1:
+            raise DraftsmithError(f"EAGLE-3 tree: the node budget must be at least one node, got {budget}")
         self.drafter = drafter.eval()
-        self.mode, self.topk, self.depth = mode, topk, depth
+        self.mode, self.topk, self.depth, self.budget = mode, topk, depth, budget
         self.name = name or f"eagle3-{mode}"
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.device = drafter.fc.weight.device
@@ -126,11 +128,15 @@ class Eagle3Proposer:
 
     # ---- EAGLE-2 dynamic tree ------------------------------------------------------------
 
-    def _tree(self, budget: int) -> Draft:
+    def _tree(self, max_nodes: int) -> Draft:
+        budget = max_nodes if self.budget is None else min(max_nodes, self.budget)
         return self.grow_tree(budget).select(budget)
 
     def grow_tree(self, budget: int) -> "TreeCandidates":
-        """Expand the `topk` best nodes of each depth by their `topk` best children.
+        """Expand the `topk` best nodes of each depth by their `topk` best children, one
+        depth after another, until the budget's depth (`budget` levels, or `depth`) or until
+        no node of the newest depth can still be among the `budget` best (a child never
+        scores above its parent, so the nodes below such a node cannot either).
 
         A node at depth d is the drafter entry (its token, its parent's output) at position
         context + d - 1; it sees the context entries, its ancestors' entries and itself.
@@ -142,7 +148,11 @@ class Eagle3Proposer:
         outputs = {-1: self.last_out}  # expanded node -> its drafter output (its children's hidden)
         nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1], k, self.draft_ids)
         frontier = list(range(len(nodes)))
-        for level in range(1, min(self.depth, budget)):
+        levels = budget if self.depth is None else min(self.depth, budget)
+        for level in range(1, levels):
+            frontier = [n for n in frontier if nodes.score[n] >= nodes.cutoff(budget)]
+            if not frontier:
+                break
             rows = len(self.cache)
             tokens = torch.tensor([nodes.token[n] for n in frontier], device=self.device)[None]
             hidden = torch.cat([outputs[nodes.parent[n]] for n in frontier], dim=1)
@@ -183,6 +193,13 @@ class TreeCandidates:
             self.parent.append(node)
             self.depth.append(level)
             self.score.append(base + logprob)
+
+    def cutoff(self, budget: int) -> float:
+        """The `budget`-th best score so far (-inf while there are fewer nodes): a node
+        scoring below it, and so every node under it, is never selected."""
+        if len(self) < budget:
+            return float("-inf")
+        return sorted(self.score, reverse=True)[budget - 1]
 
     def select(self, budget: int) -> Draft:
         """The `budget` best nodes whose parents are also kept, in BFS order. A child never

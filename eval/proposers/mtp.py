@@ -1,26 +1,37 @@
-"""MTP heads as a drafter, with DeepSeek-V3's depth semantics kept exactly.
+"""MTP heads as a drafter: the serving engines' chain (default) or DeepSeek-V3's exact depths.
 
 Depth m at position j reads h^{m-1}_j and token t_{j+m} and predicts t_{j+m+1}. With n
-committed tokens (the last one, t_{n-1}, not yet seen by the target), draft m is depth m's
-prediction at position n - 2. Each depth keeps its own KV cache:
+committed tokens (the last one, t_{n-1}, not yet seen by the target), draft 1 is depth 1's
+output at position n - 2, which reads only committed inputs: the target's h^0_{n-2} and
+t_{n-1}. Every depth keeps its own KV cache of *settled* positions j <= n - 1 - m (all
+inputs committed), computed once, on the commit that settles them, and kept from then on:
+the rows of accepted drafts stay; only rows that read drafts are cropped at each commit.
 
-- *settled* positions j <= n - 1 - m, whose inputs are all committed, are computed once
-  (on commit) and stay in the cache;
-- the m - 1 positions n - m .. n - 2 read drafted tokens; they are computed while drafting
-  and cropped away at the next commit.
+mode "engine" (default; SGLang's and vLLM's MTP drafting, EAGLE's chain): one new row per
+draft. Draft m <= K is module m's row at position n - 2, fed the previous draft's output
+hidden state and token; past K, module K chains on itself, one position further each draft,
+its own output as the next input. O(D) rows a step (plus K rows per committed token).
 
-Depths beyond K reuse the last module's weights, each with a cache of its own. Every MTP
-block attends with its cache at index 0 (we own these copies of the heads).
+mode "exact": draft m is depth m's prediction at position n - 2 with every position
+before it computed too, so each depth attends to the same rows as in training: the m - 1
+positions n - m .. n - 2 that read drafts are recomputed at every step (O(D^2) rows), and
+depths beyond K reuse module K, each with a cache of its own.
+
+The two agree on draft 1 always, and on draft 2 when K >= 2 (depth 2's only draft-reading
+row is its query row); from draft 3 on, exact depths also attend to draft-reading rows that
+the engine never computes. `rows` counts the block rows each mode runs. Every MTP block
+attends with its cache at index 0 (we own these copies of the heads).
 """
 
 from __future__ import annotations
 
 import torch
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
-from draftsmith.models.mtp import MTPDrafter
-from draftsmith.models.target import crop_cache
+from draftsmith.models.mtp import MTPDrafter, causal_mask
+from draftsmith.models.target import crop_cache, rotary_embedding
 
 
 class _Depth:
@@ -38,16 +49,25 @@ class _Depth:
         return 0 if self.outputs is None else self.outputs.shape[0]
 
 
+MODES = ("engine", "exact")
+
+
 class MTPProposer:
-    def __init__(self, heads: MTPDrafter, target, name: str = "mtp"):
-        self.name = name
+    def __init__(self, heads: MTPDrafter, target, name: str = "mtp", mode: str = "engine"):
+        if mode not in MODES:
+            raise DraftsmithError(f"MTP drafting mode {mode!r} does not exist (modes: {', '.join(MODES)})")
+        self.name, self.mode = name, mode
+        self.rows = 0  # block rows run (drafting and settling), for the report
+        self.prompt_rows = 0  # of those, the one-off rows that settle a prompt
+        self.proposals = 0
+        self.first = True  # no proposal yet in this sequence
         self.heads = heads.eval()
         for layer in heads.layers:
             layer.block.self_attn.layer_idx = 0  # one cache per virtual depth, see module doc
         self.target = target
         self.embed = target.get_input_embeddings()
         self.head = target.get_output_embeddings()
-        self.rotary = target.model.rotary_emb
+        self.rotary = rotary_embedding(target)
         self.capture_layers = (target.config.num_hidden_layers - 1,)
         self.depths: list[_Depth] = []
         self.tokens = torch.empty(0, dtype=torch.long)
@@ -56,6 +76,10 @@ class MTPProposer:
     def _layer(self, m: int):
         return self.heads.layers[min(m, self.heads.num_depths) - 1]
 
+    def report_extra(self) -> dict:
+        steps = (self.rows - self.prompt_rows) / self.proposals if self.proposals else 0.0
+        return {"mtp_mode": self.mode, "mtp_rows_per_step": steps, "mtp_prompt_rows": self.prompt_rows}
+
     def _run(self, depth: _Depth, start: int, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Feed positions start .. start + len - 1 of this depth through its block."""
         q = prev.shape[0]
@@ -63,15 +87,13 @@ class MTPProposer:
         positions = torch.arange(start, start + q, device=prev.device)[None]
         x = prev[None]
         rope = self.rotary(x, positions)
-        mask = None
-        if q > 1:  # causal over the new rows, everything cached visible
-            mask = torch.full((q, past + q), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
-            mask = mask.triu(past + 1)[None, None]
+        mask = causal_mask(self.target.config._attn_implementation, q, past, x)  # cached rows all visible
+        self.rows += q
         return depth.layer(self.embed(tokens)[None], x, rope, attention_mask=mask, cache=depth.cache,
                            position_ids=positions)[0]
 
     def begin(self, prompt_ids, ctx) -> None:
-        self.depths = []
+        self.depths, self.first = [], True
         self.tokens = prompt_ids.clone()
         self.hidden = ctx.hidden[self.capture_layers[0]]
 
@@ -93,16 +115,52 @@ class MTPProposer:
         out = self._run(depth, start, prev, self.tokens[start + m: stop + m])
         depth.outputs = out if depth.outputs is None else torch.cat([depth.outputs, out])
 
+    def _depth(self, m: int, n: int) -> _Depth:
+        """Depth m, made (and settled) on first use, after the depths below it."""
+        while len(self.depths) < m:
+            before = self.rows
+            self.depths.append(_Depth(self._layer(len(self.depths) + 1)))
+            self._settle(len(self.depths), self.depths[-1], n)
+            if self.first:  # the prompt's rows: paid once per sequence, not per step
+                self.prompt_rows += self.rows - before
+        return self.depths[m - 1]
+
     @torch.no_grad()
     def propose(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
+        if max_nodes <= 0:
+            return Draft.empty(self.tokens.device)
+        self.proposals += 1
+        pick = self._engine if self.mode == "engine" else self._exact
+        drafts, probs = pick(max_nodes, sampling, generator)
+        self.first = False
+        return Draft(torch.stack(drafts), None, torch.stack(probs) if probs else None)
+
+    def _draw(self, depth: _Depth, last: torch.Tensor, sampling, generator, drafts: list, probs: list) -> None:
+        token, q = draw(self.head(depth.layer.shared_head.norm(last)), sampling, generator)
+        if q is not None:
+            probs.append(q)
+        drafts.append(token)
+
+    def _engine(self, max_nodes: int, sampling: SamplingParams, generator) -> tuple[list, list]:
+        """One row per draft: module min(s, K) fed draft s - 1's output and token."""
+        n, K = len(self.tokens), self.heads.num_depths
+        drafts, probs = [], []
+        last = self._depth(1, n).outputs[n - 2]  # settled: the target's h^0_{n-2} and t_{n-1}
+        self._draw(self.depths[0], last, sampling, generator, drafts, probs)
+        for s in range(2, max_nodes + 1):
+            m = min(s, K)
+            depth = self._depth(m, n)
+            position = n - 2 + (s - m)  # n - 2 up to K; past K, module K one position further each draft
+            last = self._run(depth, position, last[None], drafts[-1][None])[-1]
+            self._draw(depth, last, sampling, generator, drafts, probs)
+        return drafts, probs
+
+    def _exact(self, max_nodes: int, sampling: SamplingParams, generator) -> tuple[list, list]:
         n = len(self.tokens)
         drafts, probs = [], []
         below = None  # depth m - 1's draft-time outputs, positions max(0, n - m + 1) .. n - 2
         for m in range(1, max_nodes + 1):
-            if m > len(self.depths):
-                self.depths.append(_Depth(self._layer(m)))
-                self._settle(m, self.depths[-1], n)
-            depth = self.depths[m - 1]
+            depth = self._depth(m, n)
             if m == 1:  # position n - 2 is settled at depth 1: nothing to run
                 last = depth.outputs[n - 2]
                 below = depth.outputs[:0]
@@ -113,17 +171,11 @@ class MTPProposer:
                 prev = torch.cat(settled + [below])
                 below = self._run(depth, lo, prev, torch.stack(drafts[lo + m - n:]))
                 last = below[-1]
-            token, q = draw(self.head(depth.layer.shared_head.norm(last)), sampling, generator)
-            if q is not None:
-                probs.append(q)
-            drafts.append(token)
-        if not drafts:
-            return Draft.empty(self.tokens.device)
-        return Draft(torch.stack(drafts), None, torch.stack(probs) if probs else None)
+            self._draw(depth, last, sampling, generator, drafts, probs)
+        return drafts, probs
 
 
 def load_proposer(path, target, **options) -> MTPProposer:
-    from draftsmith.models.mtp import mtp_dir
-    from draftsmith.models.native import load_drafter
+    from draftsmith.models.export_mtp import load_any
 
-    return MTPProposer(load_drafter(mtp_dir(path), "mtp", target), target)
+    return MTPProposer(load_any(path, target), target, **options)  # a run or target with mtp/, or a DeepSeek layout

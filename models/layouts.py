@@ -1,0 +1,66 @@
+"""Which drafter a folder holds, told from its config.json: every layout draftsmith writes
+or reads (ours and the ones other tools load), so that `eval --drafter METHOD:DIR` accepts
+any of them and names what it expected when it recognises none.
+
+The readers themselves live beside the writers (`export_eagle3.load_any`,
+`export_dflash.load_any`, `export_mtp.load_any`); this table only routes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import read_json
+
+NATIVE = "native"
+# architectures[0] -> (method, layout). The engines' own names: a folder another tool
+# trained carries the same architecture, which is how its layout is recognised.
+ARCHITECTURES = {
+    "LlamaForCausalLMEagle3": ("eagle3", "sglang/vllm"),  # SpecForge writes this one too
+    "DFlashDraftModel": ("dflash", "zlab"),  # z-lab and SpecForge
+    "DSparkDraftModel": ("dspark", "specforge"),
+    "Qwen3DSparkModel": ("dspark", "deepspec"),
+}
+MTP_LAYOUT = "deepseek"  # a target whose config declares num_nextn_predict_layers
+EXPECTED = {
+    "eagle3": "a draftsmith native folder or an SGLang/vLLM/SpecForge EAGLE-3 folder "
+              "(architectures ['LlamaForCausalLMEagle3'])",
+    "dflash": "a draftsmith native folder or a z-lab/SpecForge DFlash folder (architectures ['DFlashDraftModel'])",
+    "dspark": "a draftsmith native folder, a SpecForge DSpark folder (architectures ['DSparkDraftModel']) "
+              "or a DeepSpec one (['Qwen3DSparkModel'])",
+    "mtp": "a draftsmith MTP run or target folder (with mtp/) or a DeepSeek-style target whose config.json "
+           "has num_nextn_predict_layers",
+}
+
+
+def identify(path: str | Path) -> tuple[str | None, str | None, dict]:
+    """(method, layout, config) of a drafter folder; (None, None, config) when unknown."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise DraftsmithError(f"drafter {path}: no config.json")
+    meta = read_json(path / "config.json")
+    if meta.get("format") == "draftsmith" and "method" in meta:
+        return meta["method"], NATIVE, meta
+    arch = (meta.get("architectures") or [None])[0]
+    if arch in ARCHITECTURES:
+        return (*ARCHITECTURES[arch], meta)
+    if (path / "mtp" / "config.json").is_file():
+        return "mtp", NATIVE, meta
+    if meta.get("num_nextn_predict_layers"):
+        return "mtp", MTP_LAYOUT, meta
+    return None, None, meta
+
+
+def expect(path: str | Path, method: str) -> tuple[str, dict]:
+    """The layout of a folder that must hold a `method` drafter, or one line saying what it
+    holds instead, or what was expected."""
+    found, layout, meta = identify(path)
+    if found is None:
+        arch = meta.get("architectures")
+        raise DraftsmithError(f"{path}/config.json (architectures {arch!r}) is no layout draftsmith reads as "
+                              f"{method}: expected {EXPECTED.get(method, 'a draftsmith native folder')}")
+    if found != method:
+        raise DraftsmithError(f"{path} holds a {found} drafter, not {method} ({layout} layout); "
+                              f"evaluate it as {found}:{path}")
+    return layout, meta

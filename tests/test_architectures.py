@@ -1,0 +1,275 @@
+"""Every causal-LM family as a target, on tiny models built from transformers' own configs.
+
+The parts are found through transformers' accessors (models/target.py), not one attribute
+path: the captured layer outputs must be HF's `hidden_states`, the final norm must turn the
+last one into HF's normed last state. Greedy speculative output must equal the target's own
+`generate` token for token with drafters that read no hidden state (n-gram, a draft model,
+a tree around the target's own path) and with untrained hidden-state drafters (EAGLE-3
+chain and tree, DFlash): untrained drafts are rejected, never let through; those drafters
+also learn from each family's features. `draftsmith plan` must read each family's spelling
+of its heads. A sliding-window cache rolls back past its window; trees on it, and targets
+with only a recurrent state, are refused in one line. A target whose layers cannot be found
+still decodes with n-gram, and a hidden-state drafter on it is refused in one line.
+"""
+
+import copy
+import json
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from decoding_helpers import TreeAroundOracle
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import SpeculativeDecoder
+from draftsmith.eval.proposers.dflash import DFlashProposer
+from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.ngram import NgramProposer
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.models.target import (
+    build_tiny_target,
+    decoder_layers,
+    final_norm,
+    target_forward,
+    tiny_config,
+)
+
+VOCAB = 256
+NEW = 20
+MASK = VOCAB - 1  # DFlash's mask token
+# No EOS: every decode runs to NEW tokens, on both sides of the comparison.
+SHAPE = dict(vocab_size=VOCAB, num_layers=4, hidden_size=32, num_heads=4, intermediate_size=64,
+             max_position_embeddings=128, eos_token_id=None)
+# name -> tiny_config arguments, and G (query heads per KV head) as `draftsmith plan` reads it.
+ARCHS = {
+    "llama": (dict(arch="llama", num_kv_heads=2), 2),
+    "qwen2": (dict(arch="qwen2", num_kv_heads=2), 2),
+    "qwen3": (dict(arch="qwen3", num_kv_heads=1), 4),
+    "mistral": (dict(arch="mistral", num_kv_heads=2), 2),
+    "gemma": (dict(arch="gemma", num_kv_heads=1), 4),
+    "mixtral": (dict(arch="mixtral", num_kv_heads=2), 2),  # MoE
+    "deepseek_v3": (dict(arch="deepseek_v3", num_kv_heads=4), 4),  # MLA (one latent KV) and MoE
+    "phi": (dict(arch="phi", num_kv_heads=4), 1),
+    "gpt2": (dict(arch="gpt2", num_kv_heads=4), 1),  # learned absolute positions, tied head
+    "gpt_neox": (dict(arch="gpt_neox", num_kv_heads=4), 1),
+    "opt": (dict(arch="opt", num_kv_heads=4), 1),  # learned positions with an offset of 2
+    "falcon": (dict(arch="falcon", num_kv_heads=1), 4),  # multi-query (Falcon-7B)
+    "falcon_grouped": (dict(arch="falcon", num_kv_heads=2), 2),  # new decoder architecture (Falcon-40B)
+}
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],  # repetitive: prompt lookup finds matches
+    [17, 200, 3, 45, 99, 180, 7, 64],
+]
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """A draft model that agrees with `model` often but not always."""
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0.0))
+    return twin
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def world(request):
+    kwargs, group = ARCHS[request.param]
+    target = build_tiny_target(seed=0, **SHAPE, **kwargs).eval()
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
+                for p in PROMPTS]
+    assert all(len(r) == NEW for r in refs)
+    return SimpleNamespace(name=request.param, target=target, refs=refs, group=group, kwargs=kwargs)
+
+
+def test_parts_are_found_and_capture_what_transformers_reports(world):
+    target = world.target
+    n = target.config.num_hidden_layers
+    assert len(decoder_layers(target)) == n
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        ours = target_forward(target, ids, capture=range(n))
+        theirs = target(input_ids=ids, output_hidden_states=True)
+        for i in range(n - 1):  # HF's hidden_states[i + 1] is the output of layer i ...
+            torch.testing.assert_close(ours.hidden[i], theirs.hidden_states[i + 1])
+        # ... except the last, which HF hands back after the final norm.
+        torch.testing.assert_close(final_norm(target)(ours.hidden[n - 1]), theirs.hidden_states[-1])
+    torch.testing.assert_close(ours.logits, theirs.logits)
+
+
+def _eagle3(w, **options):
+    return Eagle3Proposer(Eagle3Drafter.from_target(w.target, draft_vocab_size=200), **options)
+
+
+DRAFTERS = {
+    "ngram": lambda w: NgramProposer(),
+    "draft-lm": lambda w: DraftLMProposer(noisy_copy(w.target, scale=0.3, seed=1), w.target),
+    "tree-oracle": lambda w: TreeAroundOracle(w.target, depth=4, width=3, break_prob=0.3, seed=1),
+    "eagle3-chain": lambda w: _eagle3(w),
+    "eagle3-tree": lambda w: _eagle3(w, mode="tree", topk=2, depth=3),
+    "dflash": lambda w: DFlashProposer(DFlashDrafter(DFlashConfig.from_target(
+        w.target.config, mask_token_id=MASK, num_layers=1, block_size=5)), w.target),
+}
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_greedy_output_equals_generate(world, drafter):
+    torch.manual_seed(0)  # the untrained drafters' initial weights
+    proposer = DRAFTERS[drafter](world)
+    decoder = SpeculativeDecoder(world.target, proposer, num_draft=4)
+    verify_passes = 0
+    for prompt, ref in zip(PROMPTS, world.refs):
+        result = decoder.generate(torch.tensor(prompt), NEW)
+        assert result.tokens.tolist() == ref, f"{drafter} on {world.name}, prompt {prompt}"
+        verify_passes += result.stats.verify_passes
+    if drafter == "tree-oracle":  # the true path is in every tree: accepted drafts were checked too
+        assert verify_passes < 2 * (NEW - 1)
+
+
+def test_hidden_state_drafters_learn_from_the_target(world):
+    """A few steps on one batch of the target's own features lower each drafter's loss."""
+    target = world.target
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB - 1, (2, 24))
+    mask = torch.ones_like(ids)
+    eagle3 = Eagle3Drafter.from_target(target, draft_vocab_size=VOCAB, ttt_length=2)
+    dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=1, block_size=4,
+                                                    num_anchors=8))
+    capture = sorted({*eagle3.config.target_layer_ids, *dflash.config.target_layer_ids})
+    with torch.no_grad():
+        out = target_forward(target, ids, capture=capture)
+
+    def features(layer_ids):
+        return torch.cat([out.hidden[i] for i in layer_ids], dim=-1)
+
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    losses = {
+        "eagle3": lambda: eagle3.loss(features(eagle3.config.target_layer_ids), ids, out.logits, mask)[0],
+        "dflash": lambda: dflash.loss(features(dflash.config.target_layer_ids), ids, mask, embed, head,
+                                      generator=torch.Generator().manual_seed(0))[0],
+    }
+    for name, drafter in (("eagle3", eagle3), ("dflash", dflash)):
+        opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+        first = None
+        for _ in range(4):
+            loss = losses[name]()
+            first = float(loss.detach()) if first is None else first
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert float(losses[name]().detach()) < first, f"{name} on {world.name}"
+
+
+def test_plan_reads_each_familys_heads(world, tmp_path, capsys):
+    tiny_config(**SHAPE, **world.kwargs).save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^G +(\d+)$", out, re.M).group(1) == str(world.group)
+    assert re.search(r"^D +(\d+) ", out, re.M).group(1) == str(128 // world.group - 1)
+    if world.name == "deepseek_v3":
+        assert "KV = 1 (multi-latent attention" in out
+
+
+# ---- caches that are not plain full-attention KV --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    """Mistral v0.1-style: every layer attends to a sliding window, here of 8 tokens, so the
+    cache drops rows as it goes and a rejected draft must still be rolled back."""
+    target = build_tiny_target(seed=0, **SHAPE, arch="mistral", num_kv_heads=2, sliding_window=8).eval()
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
+                for p in PROMPTS]
+    return SimpleNamespace(name="mistral-window", target=target, refs=refs)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-lm", "eagle3-chain"])
+def test_sliding_window_target_rolls_back_past_its_window(windowed, drafter):
+    torch.manual_seed(0)
+    decoder = SpeculativeDecoder(windowed.target, DRAFTERS[drafter](windowed), num_draft=4)
+    for prompt, ref in zip(PROMPTS, windowed.refs):
+        assert len(prompt) + NEW > 2 * 8  # well past the window
+        assert decoder.generate(torch.tensor(prompt), NEW).tokens.tolist() == ref
+
+
+def test_tree_drafts_on_a_sliding_window_target_are_refused_in_one_line(windowed):
+    decoder = SpeculativeDecoder(windowed.target, DRAFTERS["tree-oracle"](windowed), num_draft=4)
+    with pytest.raises(DraftsmithError, match="^tree drafts need a full-attention KV cache; this target has "
+                                              "sliding-window layers$"):
+        decoder.generate(torch.tensor(PROMPTS[0]), NEW)
+
+
+def test_recurrent_target_is_refused_in_one_line():
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    target = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                          state_size=4, eos_token_id=None)).eval()
+    with pytest.raises(DraftsmithError, match="^target MambaForCausalLM keeps a recurrent state and no attention "
+                                              "KV cache; the speculative decoder needs a KV cache it can crop$"):
+        SpeculativeDecoder(target, NgramProposer(), num_draft=4).generate(torch.tensor(PROMPTS[0]), NEW)
+
+
+# ---- a target whose layers cannot be found ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def opaque():
+    """GPT-2 with its blocks moved out of the ModuleList into an nn.Sequential, which its
+    forward still iterates: a model that keeps its layers where nothing says they are."""
+    target = build_tiny_target(seed=0, **SHAPE, arch="gpt2", num_kv_heads=4).eval()
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=NEW, do_sample=False)[0, len(PROMPTS[0]):]
+    target.transformer.h = nn.Sequential(*target.transformer.h)
+    return SimpleNamespace(target=target, ref=ref.tolist())
+
+
+def test_target_without_findable_layers_still_decodes_with_ngram(opaque):
+    decoder = SpeculativeDecoder(opaque.target, NgramProposer(), num_draft=4)
+    assert decoder.generate(torch.tensor(PROMPTS[0]), NEW).tokens.tolist() == opaque.ref
+
+
+def test_hidden_state_drafter_on_such_a_target_is_refused_in_one_line(opaque):
+    proposer = Eagle3Proposer(Eagle3Drafter.from_target(opaque.target, draft_vocab_size=200))
+    with pytest.raises(DraftsmithError) as info:
+        SpeculativeDecoder(opaque.target, proposer, num_draft=4)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "eagle3" in message and "hidden states" in message
+    assert "GPT2LMHeadModel: no decoder layers found" in message and "GPT2Model" in message
+
+
+# ---- the issue's case end to end: `draftsmith eval` on a GPT-2 target ----------------------
+
+
+def test_eval_cli_on_a_gpt2_target_with_ngram(tmp_path, capsys):
+    from draftsmith.data.tokenizer import train_tokenizer
+
+    texts = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
+    tokenizer = train_tokenizer(texts, vocab_size=270, out_dir=tmp_path / "gpt2")
+    shape = {**SHAPE, "vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id}
+    target = build_tiny_target(seed=0, **shape, arch="gpt2", num_kv_heads=4)
+    target.save_pretrained(tmp_path / "gpt2")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ["print(1)", "def f(x):"]))
+    out = tmp_path / "report"
+    code = main(["eval", "--target", str(tmp_path / "gpt2"), "--drafter", "ngram", "--dataset", str(prompts),
+                 "--num-prompts", "2", "--max-new-tokens", "12", "--num-draft", "3", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["target"]["G"] == 1  # multi-head attention
+    for prompt in report["prompts"]:
+        assert prompt["outputs"]["ngram"] == prompt["outputs"]["baseline"]
+
+
+def test_tiny_config_refuses_kv_heads_a_family_cannot_have():
+    with pytest.raises(DraftsmithError, match="^tiny target gpt2: num_kv_heads 1 must equal num_heads 4"):
+        tiny_config(**SHAPE, arch="gpt2", num_kv_heads=1)
+    with pytest.raises(DraftsmithError, match="^tiny target: unknown architecture 'bloom' \\(expected one of llama, "):
+        tiny_config(**SHAPE, arch="bloom", num_kv_heads=4)

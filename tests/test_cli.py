@@ -1,0 +1,158 @@
+"""The command line explains itself: --version, every option's default in its help, the
+resolved recipe with each key's meaning (`recipe show`), and `train --accelerate-config`
+launching accelerate for the user."""
+
+import argparse
+import dataclasses
+import json
+import sys
+from importlib.metadata import version
+
+import pytest
+import yaml
+
+from draftsmith.cli import build_parser, main
+from draftsmith.errors import DraftsmithError
+from draftsmith.recipe import Recipe, load_recipe, recipe_to_dict
+from draftsmith.registry import METHODS, config_class
+from draftsmith.train import launch as launch_module
+from draftsmith.train.launch import accelerate_config, known_configs, launch, launch_argv
+from tiny_runs import ROOT, overrides
+
+EAGLE3 = str(ROOT / "recipes" / "tiny" / "eagle3.yaml")
+
+
+def test_version_is_the_installed_package_metadata(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"draftsmith {version('draftsmith')}"
+
+
+# ---------------------------------------------------------------- help states defaults
+
+def leaf_parsers(parser, path=()):
+    """(command words, parser) for every subcommand that runs something."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, child in action.choices.items():
+            yield from leaf_parsers(child, (*path, name))
+
+
+def test_every_option_of_every_subcommand_states_its_default():
+    leaves = dict(leaf_parsers(build_parser()))
+    assert {("train",), ("plan",), ("eval",), ("export",), ("data", "regenerate"), ("data", "cache-hidden"),
+            ("recipe", "show")} <= set(leaves)
+    for words, parser in leaves.items():
+        formatter = parser._get_formatter()
+        text = parser.format_help()
+        assert "(default: None)" not in text, words  # a None default is said in words instead
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+                continue
+            assert action.help, (words, action.dest)
+            if action.option_strings and not action.required:
+                assert "default" in formatter._get_help_string(action).lower(), (words, action.dest)
+    # The defaults argparse knows are the ones printed.
+    assert "--tp TP      tensor-parallel degree (default 1)" in leaves[("plan",)].format_help()
+    assert "(default: 256)" in leaves[("data", "regenerate")].format_help()
+
+
+# ---------------------------------------------------------------- recipe show
+
+def test_every_recipe_field_and_every_method_config_field_has_help():
+    classes = [type(getattr(Recipe(), f.name)) for f in dataclasses.fields(Recipe)]
+    configs = [config_class(name) for name, spec in METHODS.items() if spec.config]
+    assert len(classes) == 6 and len(configs) == 5
+    for cls in [*classes, *configs]:
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help", "").strip(), f"{cls.__name__}.{f.name} has no help"
+
+
+def show(capsys, *args) -> str:
+    assert main(["recipe", "show", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_recipe_show_prints_the_resolved_recipe_with_defaults_and_meanings(capsys):
+    args = [EAGLE3, "train.max_steps=3", "method.ttt_length=2"]
+    out = show(capsys, *args)
+    recipe = load_recipe(args[0], args[1:])
+    # It is YAML whose values are the resolved recipe: defaults < file < overrides.
+    shown = yaml.safe_load(out)
+    expected = recipe_to_dict(recipe)
+    for section in ("target", "data", "train", "eval", "tracking"):
+        assert shown[section] == expected[section], section
+    method = shown["method"]
+    assert method["name"] == "eagle3" and method["ttt_length"] == 2 and method["draft_vocab_size"] == 1024
+    assert set(method) == {"name"} | {f.name for f in dataclasses.fields(config_class("eagle3"))}
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
+    # A changed key names its default; an unchanged one gives value and meaning only.
+    assert lines["max_steps"].endswith("# optimizer steps (default: 1000)")
+    assert lines["ttt_length"].endswith("(default: 7)") and "training-time-test" in lines["ttt_length"]
+    assert lines["lr"].endswith("# peak learning rate (AdamW)")
+    assert "(default" not in lines["ttt_decay"]
+
+
+def test_recipe_show_refuses_an_unknown_key_as_train_does(capsys):
+    codes = [main([*words, EAGLE3, "method.nope=1"]) for words in (["recipe", "show"], ["train"])]
+    err = capsys.readouterr().err.splitlines()
+    assert codes == [2, 2] and len(err) == 2 and err[0] == err[1]
+    assert err[0].startswith("draftsmith: error: ") and "method.nope: unknown key" in err[0]
+
+
+# ---------------------------------------------------------------- train --accelerate-config
+
+def test_the_launch_command_line(tmp_path):
+    argv = launch_argv("cpu", "recipes/tiny/mtp.yaml", ["train.max_steps=2", "method.num_depths=1"])
+    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert argv[3:] == ["--config_file", str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "-m", "draftsmith.train",
+                        "recipes/tiny/mtp.yaml", "train.max_steps=2", "method.num_depths=1"]
+    own = tmp_path / "mine.yaml"
+    own.write_text("distributed_type: 'NO'\n")
+    assert launch_argv(str(own), "r.yaml")[4] == str(own)  # a file is taken as it is
+    assert {"cpu", "ddp", "zero2", "zero3", "fsdp2"} <= set(known_configs())
+    with pytest.raises(DraftsmithError, match=r"^--accelerate-config zero9: no such file or accelerate config "
+                                              r"\(known: cpu, ddp, .*zero3; or a path"):
+        accelerate_config("zero9")
+
+
+def test_an_unknown_accelerate_config_is_one_line(capsys):
+    assert main(["train", EAGLE3, "--accelerate-config", "nope.yaml"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "draftsmith: error: --accelerate-config nope.yaml: no such file or accelerate config "
+        f"(known: {', '.join(known_configs())}; or a path to an accelerate YAML)"]
+
+
+def test_overrides_may_follow_options_but_unknown_options_are_refused(capsys):
+    # argparse would stop the overrides at the option; they are kept all the same.
+    assert main(["recipe", "show", EAGLE3, "train.max_steps=3", "--", "train.lr=0.5"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["train"]["max_steps"] == 3 and shown["train"]["lr"] == 0.5
+    for argv in (["recipe", "show", EAGLE3, "--bogus"], ["plan", "x", "y=1"]):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_the_launcher_exit_status_is_draftsmiths(monkeypatch, capsys):
+    assert launch([sys.executable, "-c", "raise SystemExit(3)"]) == 3
+    monkeypatch.setattr(launch_module, "launch_argv", lambda *a: [sys.executable, "-c", "raise SystemExit(5)"])
+    assert main(["train", EAGLE3, "--accelerate-config", "cpu"]) == 5
+    assert "draftsmith: running" in capsys.readouterr().err
+
+
+def test_train_with_an_accelerate_config_runs_the_recipe_under_accelerate(tmp_path, monkeypatch):
+    """Two optimizer steps of the tiny target through `accelerate launch` (the cpu config);
+    the overrides come after the option, as users type them."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = tmp_path / "mtp"
+    tiny = overrides(run, target__num_layers=1, target__hidden_size=32, target__num_heads=2, data__vocab_size=300,
+                     data__max_chars=20000, train__max_steps=2, train__batch_size=2, train__seq_len=16,
+                     train__eval_every=2, train__eval_batches=1, train__save_every=100)
+    assert main(["train", str(ROOT / "recipes" / "tiny" / "mtp.yaml"), "--accelerate-config", "cpu", *tiny]) == 0
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "train/loss" in r] == [1, 2]
+    assert (run / "model").is_dir()

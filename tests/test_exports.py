@@ -1,0 +1,390 @@
+"""Exports the engines and reference trainers load as they are, and drafters from those
+layouts evaluated here: every format round-trips to identical drafts; each layout's config
+fields and weight names are what its loader reads (transformers' own classes where they
+run on CPU, a fixture of the loader's expected fields otherwise); bad input is one line."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.proposers import proposer_from_spec
+from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, DSparkConfig, DSparkDrafter
+from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.models.export import export_run
+from draftsmith.models.export_dflash import export_dspark_deepspec, export_dspark_specforge
+from draftsmith.models.mtp import MTP_DIR, MTPDrafter
+from draftsmith.models.native import save_drafter
+from draftsmith.models.target import build_tiny_target, freeze, target_forward
+from draftsmith.registry import METHODS
+
+VOCAB, MASK = 128, 127
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A tiny Qwen3 target saved as a folder (DeepSpec's export copies its embedding and head)."""
+    folder = tmp_path_factory.mktemp("target")
+    freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=64,
+                             num_heads=4, num_kv_heads=2)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    from draftsmith.models.target import load_target
+
+    return freeze(load_target(target_dir))
+
+
+def with_random_heads(drafter):
+    with torch.no_grad():  # W2 starts at zero: give the refiner something to change
+        if isinstance(drafter, DSparkDrafter):
+            drafter.markov_head.markov_w2.weight.normal_(std=0.5)
+    return drafter.eval()
+
+
+def dflash(target):
+    return DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6)).eval()
+
+
+def dspark(target, **overrides):
+    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "block_size": 5,
+                                                       "markov_rank": 8, **overrides})
+    return with_random_heads(DSparkDrafter(config))
+
+
+def eagle3(target):
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=96)
+    with torch.no_grad():  # a draft vocabulary that is not the identity
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:96].sort().values
+        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d[ids] = True
+        drafter.set_draft_vocab(ids - torch.arange(96), t2d)
+    return drafter.eval()
+
+
+def drafts(proposer, target, prompt, n=4):
+    """Greedy draft tokens and a sampled draft with its probabilities, after the prompt,
+    fed the way the decoder feeds them."""
+    out = target_forward(target, prompt[None], capture=proposer.capture_layers)
+    proposer.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
+    proposer.commit(prompt[-1:], TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0],
+                                               len(prompt) - 1))
+    greedy = proposer.propose(n, GREEDY, None).tokens
+    sampled = proposer.propose(n, SamplingParams(temperature=1.0), torch.Generator().manual_seed(5))
+    return greedy, sampled.tokens, sampled.probs
+
+
+def assert_same_drafts(spec_a, spec_b, target, prompt):
+    first = drafts(proposer_from_spec(spec_a, target), target, prompt)
+    second = drafts(proposer_from_spec(spec_b, target), target, prompt)
+    for a, b in zip(first, second):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def one_line_error(call, match):
+    with pytest.raises(DraftsmithError, match=match) as caught:
+        call()
+    assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- round trips
+
+def test_every_post_hoc_format_round_trips_to_identical_drafts(target, target_dir, tmp_path):
+    prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
+    for method, drafter in (("eagle3", eagle3(target)), ("dflash", dflash(target)), ("dspark", dspark(target))):
+        native = save_drafter(drafter, tmp_path / method, extra={"target": str(target_dir)})
+        formats = METHODS[method].exports
+        assert formats and len(formats) >= 2
+        for fmt in formats:
+            out = export_run(native, fmt, tmp_path / f"{method}-{fmt}")
+            assert_same_drafts(f"{method}:{native}", f"{method}:{out}", target, prompt)
+
+
+def test_folders_written_by_the_other_tools_evaluate_like_ours(target, target_dir, tmp_path):
+    """What SpecForge, z-lab, DeepSpec and the engines' trainers write lacks our extras
+    (the `draftsmith` key, `target_hidden_size`, vLLM's copy of the layer ids, auto_map):
+    such folders read the same."""
+    prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
+    theirs = {"sglang": lambda c: c.pop("eagle_aux_hidden_state_layer_ids"),
+              "zlab": lambda c: (c.pop("auto_map"), c["dflash_config"].pop("target_layer_ids")),  # the default spread
+              "specforge": lambda c: (c.pop("auto_map"), c["dflash_config"].pop("block_size")),
+              "deepspec": lambda c: None}
+    for method, drafter, fmt in (("eagle3", eagle3(target), "sglang"), ("dflash", dflash(target), "zlab"),
+                                 ("dspark", dspark(target), "specforge"), ("dspark", dspark(target), "deepspec")):
+        native = save_drafter(drafter, tmp_path / fmt, extra={"target": str(target_dir)})
+        out = export_run(native, fmt, tmp_path / f"{fmt}-theirs")
+        config = json.loads((out / "config.json").read_text())
+        config.pop("draftsmith", None)
+        config.pop("target_hidden_size", None)
+        theirs[fmt](config)
+        (out / "config.json").write_text(json.dumps(config))
+        assert_same_drafts(f"{method}:{native}", f"{method}:{out}", target, prompt)
+
+
+def test_dspark_exports_refuse_what_their_loaders_would_misread(target, tmp_path):
+    frozen_backbone = dspark(target, block_convention=ANCHOR_IS_CONTEXT, block_size=6)
+    for export in (export_dspark_specforge, lambda d, out: export_dspark_deepspec(d, out, target)):
+        one_line_error(lambda: export(frozen_backbone, tmp_path / "x"), "block_convention 'anchor_is_context'")
+    last_layer = dspark(target, target_layer_ids=[1, 5])
+    one_line_error(lambda: export_dspark_deepspec(last_layer, tmp_path / "x", target), "last layer")
+    no_target = save_drafter(dspark(target), tmp_path / "no-target")  # DeepSpec needs the target's embedding
+    one_line_error(lambda: export_run(no_target, "deepspec", tmp_path / "x"), "target None not found")
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- the loaders' own classes
+
+def test_zlab_and_specforge_exports_load_with_transformers_alone(target, tmp_path):
+    from transformers import AutoModel
+
+    feats = torch.randn(1, 7, 2 * 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[5] + [MASK] * 5])
+    embeds = target.get_input_embeddings()(ids)
+    positions = torch.arange(7 + 6)[None]
+    for drafter, export in ((dflash(target), "zlab"), (dspark(target, block_size=6), "specforge")):
+        native = save_drafter(drafter, tmp_path / export)
+        out = export_run(native, export, tmp_path / f"{export}-out")
+        config = json.loads((out / "config.json").read_text())
+        module, cls = config["auto_map"]["AutoModel"].split(".")
+        assert (out / f"{module}.py").is_file() and cls == config["architectures"][0]
+        model, info = AutoModel.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
+        assert type(model).__name__ == cls
+        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+        with torch.no_grad():
+            theirs = model.eval()(position_ids=positions, noise_embedding=embeds, target_hidden=feats)
+            ours = drafter(embeds, positions[:, 7:], drafter.context_kv(feats, positions[:, :7]))
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+        logits = target.get_output_embeddings()
+        assert torch.equal(logits(theirs).argmax(-1), logits(ours).argmax(-1))
+        if export == "specforge":
+            prev = torch.tensor([[5, 9, 11, 3, 2, 7]])
+            torch.testing.assert_close(model.markov_bias(prev), drafter.markov_head(prev))
+            torch.testing.assert_close(model.confidence_logits(theirs, prev), drafter.confidence_logits(ours, prev))
+
+
+def tiny_deepseek(seed=1):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    return freeze(DeepseekV3ForCausalLM(config))
+
+
+def mtp_run(tmp_path, target, name):
+    """What the mtp recipe writes: the target folder with its MTP modules in mtp/."""
+    heads = MTPDrafter.for_target(target, 2)
+    with torch.no_grad():  # every weight set here: MoE experts are built uninitialised (torch.empty)
+        for name, p in heads.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0))
+    folder = tmp_path / name / "model"
+    target.save_pretrained(folder)
+    save_drafter(heads, folder / MTP_DIR, extra={"num_nextn_predict_layers": 2})
+    return tmp_path / name
+
+
+def test_mtp_deepseek_layout_round_trips_and_keeps_the_target_loadable(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    target = tiny_deepseek()
+    run = mtp_run(tmp_path, target, "ds")
+    out = export_run(run, "deepseek", tmp_path / "ds-export")
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 3
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # vLLM's DeepSeekMTP (see models/export_mtp.py): per module, these names and the block
+    # under the target's own decoder-layer names (its last layer is the same MoE layer).
+    block = {n.removeprefix("model.layers.2.") for n in names if n.startswith("model.layers.2.")}
+    own = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+           "embed_tokens.weight"}
+    assert "mlp.experts.3.gate_proj.weight" in block
+    for k in (3, 4):
+        module = {n.removeprefix(f"model.layers.{k}.") for n in names if n.startswith(f"model.layers.{k}.")}
+        assert module == block | own
+    # transformers loads the folder as the plain target, every weight in place.
+    reloaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(reloaded.eval()(ids).logits, target(ids).logits)
+    prompt = ids[0]
+    assert_same_drafts(f"mtp:{run}", f"mtp:{out}", target, prompt)
+    # A sharded target: the modules get a shard of their own, named in the index.
+    sharded = tmp_path / "sharded" / "model"
+    target.save_pretrained(sharded, max_shard_size="20KB")
+    (sharded / MTP_DIR).symlink_to(run / "model" / MTP_DIR)
+    out = export_run(sharded.parent, "deepseek", tmp_path / "sharded-export")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.4.eh_proj.weight"] == "model-mtp.safetensors"
+    assert len(set(index.values())) > 2
+    assert_same_drafts(f"mtp:{run}", f"mtp:{out}", target, prompt)
+
+
+def test_mtp_export_of_a_llama_target_says_it_is_for_our_own_decoder(tmp_path, capsys):
+    target = freeze(build_tiny_target(seed=1, arch="llama", vocab_size=VOCAB, num_layers=2, hidden_size=32,
+                                      num_heads=4, num_kv_heads=1))
+    run = mtp_run(tmp_path, target, "llama")
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "deepseek", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("draftsmith: error: ") and err.count("\n") == 1
+    assert "for draftsmith's own decoder" in err and "LlamaForCausalLM" in err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- fixtures of the loaders' fields
+
+# SpecForge @ a6b6b0230009: DSparkDraftModel reads these from dflash_config
+# (specforge/modeling/draft/dspark.py, configs/qwen3-8b-dspark.json); DFlashDraftModel reads
+# block_size, num_target_layers and one layer_types entry per layer from the top level.
+SPECFORGE_DSPARK_NESTED = {"projector_type": "dspark", "markov_rank": 8, "markov_head_type": "vanilla",
+                           "enable_confidence_head": True, "confidence_head_with_markov": True,
+                           "attention_mode": "gqa", "target_layer_ids": [1, 3], "mask_token_id": MASK}
+# DeepSpec @ afdfa7c93823 (deepspec/modeling/dspark/qwen3/config.py): top-level keys.
+DEEPSPEC_TOP = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "num_target_layers": 6,
+                "block_size": 5, "mask_token_id": MASK, "target_layer_ids": [1, 3], "num_anchors": 512,
+                "enable_confidence_head": True, "confidence_head_with_markov": True, "markov_rank": 8,
+                "markov_head_type": "vanilla", "tie_word_embeddings": False,
+                "layer_types": ["full_attention"] * 2, "num_hidden_layers": 2, "hidden_size": 64}
+HEADS = {"markov_head.markov_w1.weight": (VOCAB, 8), "markov_head.markov_w2.weight": (VOCAB, 8),
+         "confidence_head.proj.weight": (1, 64 + 8), "confidence_head.proj.bias": (1,)}
+
+
+def shapes(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+def test_dspark_layouts_have_the_fields_and_names_specforge_and_deepspec_read(target, tmp_path):
+    drafter = dspark(target)
+    backbone = {k: tuple(v.shape) for k, v in dflash(target).state_dict().items()}
+    specforge = export_dspark_specforge(drafter, tmp_path / "sf")
+    config = json.loads((specforge / "config.json").read_text())
+    assert config["architectures"] == ["DSparkDraftModel"] and config["block_size"] == 5
+    assert config["num_target_layers"] == 6 and config["layer_types"] == ["full_attention"] * 2
+    assert SPECFORGE_DSPARK_NESTED.items() <= config["dflash_config"].items()
+    assert "markov_rank" not in config  # nothing a reader might take from the wrong place
+    assert shapes(specforge) == {**backbone, **HEADS}
+
+    deepspec = export_dspark_deepspec(drafter, tmp_path / "ds", target)
+    config = json.loads((deepspec / "config.json").read_text())
+    assert DEEPSPEC_TOP.items() <= config.items()
+    assert shapes(deepspec) == {**backbone, **HEADS, "embed_tokens.weight": (VOCAB, 64), "lm_head.weight": (VOCAB, 64)}
+    # Both read config.json through transformers' Qwen3Config (their models subclass Qwen3PreTrainedModel).
+    from transformers import Qwen3Config
+
+    loaded = Qwen3Config.from_pretrained(deepspec)
+    assert (loaded.target_layer_ids, loaded.markov_rank, loaded.block_size) == ([1, 3], 8, 5)
+    assert loaded.layer_types == ["full_attention"] * 2 and loaded.num_hidden_layers == 2
+    assert Qwen3Config.from_pretrained(specforge).dflash_config["projector_type"] == "dspark"
+    stored = load_file(str(deepspec / "model.safetensors"))
+    assert torch.equal(stored["lm_head.weight"], target.lm_head.weight)
+
+
+def _engine_params(names, engine):
+    """The parameters each engine's EAGLE-3 loader fills from these file names, by the
+    renaming rules read in its source (models/export_eagle3.py names the commits)."""
+    stacked = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj",
+               ".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
+    out = set()
+    for name in names:
+        if name == "t2d":
+            continue
+        if name == "d2t":
+            out.add("hot_token_id" if engine == "sglang" else "draft_id_to_target_id")
+            continue
+        if engine == "vllm":
+            name = name.replace("midlayer.", "layers.0.")
+        for part, fused in stacked.items():
+            name = name.replace(part, fused)
+        out.add(name if name.startswith("lm_head") else f"model.{name}")
+    return out
+
+
+ENGINE_PARAMS = {  # each engine's module parameters for a one-layer drafter (embedding: the target's)
+    "sglang": {"model.fc.weight", "model.norm.weight", "lm_head.weight", "hot_token_id",
+               *(f"model.midlayer.{n}.weight" for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                        "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+                                                        "hidden_norm"))},
+    "vllm": {"model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id",
+             *(f"model.layers.0.{n}.weight" for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                      "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+                                                      "hidden_norm"))},
+}
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_eagle3_layouts_fill_every_engine_parameter(target, tmp_path, engine):
+    drafter = eagle3(target)
+    out = export_run(save_drafter(drafter, tmp_path / "native"), engine, tmp_path / engine)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 96 and config["vocab_size"] == VOCAB
+    assert config["tie_word_embeddings"] is False and config["eagle_config"]["use_aux_hidden_state"] is True
+    ids = list(drafter.config.target_layer_ids)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids  # SGLang: output of layer i
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ids]  # vLLM: hidden_states[j]
+    assert config["norm_before_residual"] is False
+    file = shapes(out)
+    assert _engine_params(file, engine) == ENGINE_PARAMS[engine]
+    assert file["lm_head.weight"] == (96, 64) and file["fc.weight"] == (64, 3 * 64)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_folders_are_one_line_errors_naming_what_was_expected(target, tmp_path):
+    exports = {}
+    for method, drafter, fmt in (("eagle3", eagle3(target), "vllm"), ("dflash", dflash(target), "zlab"),
+                                 ("dspark", dspark(target), "specforge")):
+        exports[method] = export_run(save_drafter(drafter, tmp_path / method), fmt, tmp_path / f"{method}-x")
+    deepspec = export_dspark_deepspec(dspark(target), tmp_path / "deepspec", target)
+    # A folder of one method passed as another.
+    for spec, match in ((f"dflash:{exports['eagle3']}", "holds a eagle3 drafter, not dflash .*eagle3:"),
+                        (f"eagle3:{exports['dspark']}", "holds a dspark drafter, not eagle3"),
+                        (f"dflash:{deepspec}", "holds a dspark drafter, not dflash"),
+                        (f"dspark:{exports['dflash']}", "holds a dflash drafter, not dspark")):
+        one_line_error(lambda: proposer_from_spec(spec, target), match)
+    # A layout nobody writes.
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
+    for method, expected in (("eagle3", "LlamaForCausalLMEagle3"), ("dflash", "DFlashDraftModel"),
+                             ("dspark", "Qwen3DSparkModel")):
+        one_line_error(lambda: proposer_from_spec(f"{method}:{unknown}", target), f"MedusaModel.*expected.*{expected}")
+    # A layout missing a weight.
+    for folder, name in ((exports["eagle3"], "fc.weight"), (exports["dspark"], "markov_head.markov_w2.weight"),
+                         (deepspec, "lm_head.weight")):
+        weights = load_file(str(folder / "model.safetensors"))
+        del weights[name]
+        save_file(weights, str(folder / "model.safetensors"))
+        method = "eagle3" if folder == exports["eagle3"] else "dspark"
+        one_line_error(lambda: proposer_from_spec(f"{method}:{folder}", target), name.split(".")[0])
+    # A checkpoint whose vocabulary or hidden size does not fit the target.
+    wide = freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=32,
+                                    num_heads=4, num_kv_heads=2))
+    other_vocab = freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB * 2, num_layers=6, hidden_size=64,
+                                           num_heads=4, num_kv_heads=2))
+    one_line_error(lambda: proposer_from_spec(f"dflash:{exports['dflash']}", wide), "hidden size 64, the target has 32")
+    eagle = export_run(tmp_path / "eagle3", "sglang", tmp_path / "eagle3-sglang")
+    one_line_error(lambda: proposer_from_spec(f"eagle3:{eagle}", other_vocab), "vocabulary 128 .* has 256")
+    ok = export_dspark_deepspec(dspark(target), tmp_path / "deepspec-ok", target)
+    one_line_error(lambda: proposer_from_spec(f"dspark:{ok}", other_vocab), "embed_tokens.weight has shape")
+
+
+def test_mtp_deepseek_folder_for_another_target_is_refused(tmp_path):
+    target = tiny_deepseek()
+    out = export_run(mtp_run(tmp_path, target, "ds"), "deepseek", tmp_path / "ds-export")
+    other = freeze(build_tiny_target(seed=1, arch="llama", vocab_size=VOCAB, num_layers=2, hidden_size=32,
+                                     num_heads=4, num_kv_heads=1))
+    one_line_error(lambda: proposer_from_spec(f"mtp:{out}", other), "target with 3 layers .* the target has 2")
+    one_line_error(lambda: proposer_from_spec(f"dflash:{out}", target), "holds a mtp drafter, not dflash")
