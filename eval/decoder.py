@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers.base import GREEDY, Proposer, NoProposer, SamplingParams, TargetContext
+from draftsmith.eval.proposers.base import GREEDY, NoProposer, Proposer, SamplingParams, TargetContext
 from draftsmith.eval.sampling import (
     accept_chain_greedy,
     accept_chain_sampled,
@@ -40,7 +40,6 @@ from draftsmith.eval.sampling import (
     next_token,
     process_logits,
 )
-from draftsmith.models.tile import plan_tile
 from draftsmith.models.target import (
     CompiledVerify,
     cache_length,
@@ -52,6 +51,7 @@ from draftsmith.models.target import (
     target_forward,
     tree_cache_problem,
 )
+from draftsmith.models.tile import plan_tile
 
 CACHE_KINDS = ("dynamic", "static")
 

@@ -14,12 +14,12 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
-from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.proposers import parse_spec, proposer_from_spec
+from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.report import check_report_dest, format_table, speedup_bound, write_index, write_report
 from draftsmith.fsutil import atomic_dir
-from draftsmith.models.tile import plan_tile, read_target_config
 from draftsmith.models.target import resolve_model_dir
+from draftsmith.models.tile import plan_tile, read_target_config
 
 
 @dataclass

@@ -32,15 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import (
-    Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, repeat_kv, rotate_half,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    repeat_kv,
+    rotate_half,
 )
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import option
-from draftsmith.models.native import load_state_strict
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
-from draftsmith.models.tile import auto_block, plan_tile
+from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
+from draftsmith.models.tile import auto_block, plan_tile
 
 # Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
 # drafts). Keyed by drafts so that DSpark's convention gets the same decay per draft.

@@ -37,7 +37,11 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import option
 from draftsmith.models.dflash import (
-    DFlashConfig, DFlashDrafter, greedy_metrics, position_weights, weighted_mean,
+    DFlashConfig,
+    DFlashDrafter,
+    greedy_metrics,
+    position_weights,
+    weighted_mean,
 )
 
 ANCHOR_IS_FIRST_PREDICTION = "anchor_is_first_prediction"  # DSpark's own: B inputs, B drafts

@@ -16,10 +16,11 @@ target's (shared, never copied).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import option
@@ -125,7 +126,6 @@ class MTPDrafter(nn.Module):
 
 def mtp_dir(target_dir) -> "Path":
     """TARGET/mtp, where the MTP modules are saved beside the target they extend."""
-    from pathlib import Path
 
     folder = Path(target_dir) / MTP_DIR
     if not folder.is_dir():

@@ -29,9 +29,9 @@ import time
 import torch
 
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
+from draftsmith.eval.proposers.base import NoProposer
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 from draftsmith.eval.proposers.ngram import NgramProposer
-from draftsmith.eval.proposers.base import NoProposer
 from draftsmith.models.target import build_tiny_target, decoder_layers, freeze, load_target
 
 

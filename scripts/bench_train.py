@@ -52,7 +52,6 @@ from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.models.target import decoder_layers, freeze, target_forward, tiny_config
-
 from draftsmith.registry import posthoc
 
 METHODS = tuple(posthoc())  # the methods trained on target features
@@ -283,11 +282,11 @@ def measure(method, label, target, fwd: TargetForward, batch, args, clock, memor
 
     def step():
         with autocast:
-            value, _ = loss()
+            value, _ = loss()  # noqa: F821 (deleted after the loop)
         value.backward()
         torch.nn.utils.clip_grad_norm_(params, clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.step()  # noqa: F821
+        optimizer.zero_grad(set_to_none=True)  # noqa: F821
 
     steps, paired, peaks = [], [], []
     for i in range(args.warmup + args.repeats):

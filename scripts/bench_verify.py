@@ -174,8 +174,8 @@ def verify_sweep(args, device, dtype, attn: str, after_each) -> dict:
         calls = {}
         for n in range(1, args.q_max + 1):
             tokens = torch.randint(0, shape["vocab_size"], (1, n), generator=gen).to(device)
-            verify = torch.no_grad()(lambda tokens=tokens: target_forward(target, tokens, cache=cache))
-            reset = lambda: crop_cache(cache, args.kv_len)  # noqa: E731
+            verify = torch.no_grad()(lambda tokens=tokens: target_forward(target, tokens, cache=cache))  # noqa: F821
+            reset = lambda: crop_cache(cache, args.kv_len)  # noqa: E731, F821
             verify()  # warm-up for this shape
             reset()
             calls[n] = (verify, reset)
@@ -279,8 +279,8 @@ def truncated_twin(target, layers: int):
 
 def build_drafters(target, attn: str) -> dict:
     from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer
-    from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
     from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+    from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
     from draftsmith.eval.proposers.ngram import NgramProposer
     from draftsmith.eval.proposers.oracle import OracleProposer
     from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
@@ -310,8 +310,8 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     """Every drafter against plain decoding of the same target and prompts, in one run,
     through eval/evaluate.py's decode loop and eval/report.py's report."""
     from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.proposers.base import GREEDY, NoProposer
     from draftsmith.eval.evaluate import EvalSettings, _decode_all, _per_pass_ms, _tokens_per_s
+    from draftsmith.eval.proposers.base import GREEDY, NoProposer
     from draftsmith.eval.report import speedup_bound, write_report
     from draftsmith.models.tile import plan_tile
 

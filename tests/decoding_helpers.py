@@ -7,8 +7,8 @@ import random
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.eval.proposers.oracle import OracleProposer
 from draftsmith.eval.proposers.base import Draft
+from draftsmith.eval.proposers.oracle import OracleProposer
 
 
 def chi2_pvalue(samples: list[int], probs: torch.Tensor, min_expected: float = 5.0) -> float:

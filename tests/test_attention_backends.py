@@ -13,7 +13,13 @@ from torch.nn.attention.flex_attention import create_mask
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.attention import use_flex
 from draftsmith.models.dflash import (
-    DFlashConfig, DFlashDrafter, block_mask_mod, block_visibility, concat_layers, make_blocks, sample_anchors,
+    DFlashConfig,
+    DFlashDrafter,
+    block_mask_mod,
+    block_visibility,
+    concat_layers,
+    make_blocks,
+    sample_anchors,
 )
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter, ttt_mask_mod

@@ -3,8 +3,7 @@ import json
 import pytest
 
 from draftsmith.data import corpus
-from draftsmith.data.corpus import (SPLITS, corpus_prompts, embedded_split, load_embedded_corpus,
-                                    load_text_dataset)
+from draftsmith.data.corpus import SPLITS, corpus_prompts, embedded_split, load_embedded_corpus, load_text_dataset
 from draftsmith.errors import DraftsmithError
 
 

@@ -16,10 +16,10 @@ import torch
 from decoding_helpers import IIDTreeDrafter, RandomTreeDrafter, TreeAroundOracle, chi2_pvalue
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
+from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.proposers.oracle import OracleProposer
-from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.models.target import build_tiny_target, crop_cache, new_cache, target_forward
 
 VOCAB = 256

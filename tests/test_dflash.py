@@ -14,14 +14,24 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.base import SamplingParams
 from draftsmith.eval.proposers.dflash import DFlashProposer, load_proposer
-from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.dflash import (
-    ContextCache, DFlashConfig, DFlashDrafter, auto_block_size, block_visibility, concat_layers,
-    default_gamma, greedy_metrics, make_blocks, sample_anchors, spread_layer_ids,
+    ContextCache,
+    DFlashConfig,
+    DFlashDrafter,
+    auto_block_size,
+    block_visibility,
+    concat_layers,
+    default_gamma,
+    greedy_metrics,
+    make_blocks,
+    sample_anchors,
+    spread_layer_ids,
 )
 from draftsmith.models.export_dflash import (
-    export_dflash_zlab, load_dflash_zlab,
+    export_dflash_zlab,
+    load_dflash_zlab,
 )
+from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, freeze, target_forward
 
 VOCAB, MASK = 128, 127

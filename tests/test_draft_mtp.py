@@ -7,8 +7,8 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers.mtp import MTPProposer
 from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
+from draftsmith.eval.proposers.mtp import MTPProposer
 from draftsmith.models.mtp import MTPDrafter, mtp_forward
 from draftsmith.models.target import build_tiny_target, target_forward
 

@@ -12,16 +12,22 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
 from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer, load_proposer
-from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import (
-    ANCHOR_IS_CONTEXT, ANCHOR_IS_FIRST_PREDICTION, DSparkConfig, DSparkDrafter, confident_prefix_length,
+    ANCHOR_IS_CONTEXT,
+    ANCHOR_IS_FIRST_PREDICTION,
+    DSparkConfig,
+    DSparkDrafter,
+    confident_prefix_length,
 )
 from draftsmith.models.export_dflash import (
-    export_dflash_zlab, export_dspark_specforge, load_dflash_zlab, load_dspark,
+    export_dflash_zlab,
+    export_dspark_specforge,
+    load_dflash_zlab,
+    load_dspark,
 )
+from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
-
 from test_dflash import MASK, VOCAB, target, tiny_target  # noqa: F401  (shared tiny target and fixture)
 
 

@@ -14,11 +14,14 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from draftsmith.data.draft_vocab import build_draft_vocab
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
-from draftsmith.eval.proposers.base import SamplingParams
 from draftsmith.eval.proposers import proposer_from_spec
+from draftsmith.eval.proposers.base import SamplingParams
+from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.models.eagle3 import (
-    DraftKV, Eagle3Config, Eagle3Drafter, default_layer_ids,
+    DraftKV,
+    Eagle3Config,
+    Eagle3Drafter,
+    default_layer_ids,
 )
 from draftsmith.models.export_eagle3 import export_eagle3, load_eagle3_export
 from draftsmith.models.native import config_from_dict, load_drafter, save_drafter

@@ -5,9 +5,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.mtp import MTP_DIR, deepseek_names, mtp_dir
+from draftsmith.models.mtp import MTP_DIR, MTPDrafter, deepseek_names, mtp_dir, mtp_forward
 from draftsmith.models.native import load_drafter, save_drafter
-from draftsmith.models.mtp import MTPConfig, MTPDrafter, mtp_forward
 from draftsmith.models.target import build_tiny_target, target_forward
 
 

@@ -151,7 +151,7 @@ def _tree_trial(p1, p2, q1, q2, mode: str, gen):
     tokens, dists = siblings(q1, 3)
     rows = [p1] + [p2[t] for t in tokens]
     children = [[0, 1, 2]]
-    for i, t in enumerate(list(tokens)):
+    for t in list(tokens):
         kid_tokens, kid_dists = siblings(q2[t], 2)
         children.append([len(tokens), len(tokens) + 1])
         tokens += kid_tokens

@@ -37,6 +37,7 @@ def test_mtp_loss_falls_and_depth_accuracy_beats_unigram(tmp_path):
     assert rows[-1]["step"] == 60 and val[-1]["val/loss"] < first
     # Unigram baseline: always predicting the most frequent validation token.
     from transformers import AutoTokenizer
+
     from draftsmith.train.data_setup import packed_corpus
 
     tok = AutoTokenizer.from_pretrained(run / "model")

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.registry import method_spec, resolve
 from draftsmith.recipe import Recipe
+from draftsmith.registry import method_spec, resolve
+
 
 class TrainMethod:
     """Base class: subclasses set `model`, `train_data`, `eval_data` in __init__."""

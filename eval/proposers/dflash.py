@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams, TargetContext
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
