@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -142,3 +143,14 @@ class RandomTreeDrafter:
         parents.sort()  # sorted parents keep BFS order: depth never decreases
         tokens = [self.rng.randrange(self.vocab) for _ in range(n)]
         return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def noisy_copy(model, scale: float, seed: int):
+    """A draft model that agrees with `model` often but not always (a stand-in for a
+    distilled draft): the same weights, each perturbed by `scale` of its own spread."""
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0.0))
+    return twin

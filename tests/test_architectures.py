@@ -12,7 +12,6 @@ with only a recurrent state, are refused in one line. A target whose layers cann
 still decodes with n-gram, and a hidden-state drafter on it is refused in one line.
 """
 
-import copy
 import json
 import re
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from decoding_helpers import TreeAroundOracle
+from decoding_helpers import TreeAroundOracle, noisy_copy
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
@@ -65,16 +64,6 @@ PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],  # repetitive: prompt lookup finds matches
     [17, 200, 3, 45, 99, 180, 7, 64],
 ]
-
-
-def noisy_copy(model, scale: float, seed: int):
-    """A draft model that agrees with `model` often but not always."""
-    twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in twin.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0.0))
-    return twin
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))

@@ -7,13 +7,12 @@ with verifying each of its paths as a chain; sampling must reproduce the target'
 distribution.
 """
 
-import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from decoding_helpers import IIDTreeDrafter, RandomTreeDrafter, TreeAroundOracle, chi2_pvalue
+from decoding_helpers import IIDTreeDrafter, RandomTreeDrafter, TreeAroundOracle, chi2_pvalue, noisy_copy
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
@@ -33,17 +32,6 @@ PROMPTS = [
     [17, 200, 3, 45, 99, 180, 7, 64],
     [250, 1, 33],
 ]
-
-
-def noisy_copy(model, scale: float, seed: int):
-    """A draft model that agrees with `model` often but not always (a stand-in for a
-    distilled draft): the same weights, each perturbed by `scale` of its own spread."""
-    twin = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in twin.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0.0))
-    return twin
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
