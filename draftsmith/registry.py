@@ -32,6 +32,9 @@ class MethodSpec:
     exports: dict[str, str] = field(default_factory=dict)  # --format -> "module:function(folder, out)"
     # Decode-time variants of the same checkpoint: spec name -> options for the proposer.
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Folders other tools write that `eval --drafter NAME:DIR` reads, told apart by their
+    # config's architectures[0]: architecture -> layout (models/layouts.py routes by it).
+    foreign_layouts: dict[str, str] = field(default_factory=dict)
 
 
 _NATIVE_EXPORT = "draftsmith.models.export:export_native"
@@ -65,6 +68,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         exports={"sglang": "draftsmith.models.export_eagle3:export_sglang",
                  "vllm": "draftsmith.models.export_eagle3:export_vllm", "native": _NATIVE_EXPORT},
         variants={"eagle3_tree": {"tree": True}},
+        foreign_layouts={"LlamaForCausalLMEagle3": "sglang/vllm"},  # SpecForge writes it too
     ),
     MethodSpec(
         "dflash", "DFlash: a block-diffusion drafter filling a block of masks in one forward",
@@ -72,6 +76,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         config="draftsmith.models.dflash:DFlashConfig", model="draftsmith.models.dflash:DFlashDrafter",
         training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
         exports={"zlab": "draftsmith.models.export_dflash:export_zlab", "native": _NATIVE_EXPORT},
+        foreign_layouts={"DFlashDraftModel": "zlab"},  # z-lab and SpecForge
     ),
     MethodSpec(
         "dspark", "DSpark: DFlash's backbone plus a light serial refiner and a confidence head",
@@ -80,6 +85,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
         exports={"specforge": "draftsmith.models.export_dflash:export_specforge",
                  "deepspec": "draftsmith.models.export_dflash:export_deepspec", "native": _NATIVE_EXPORT},
+        foreign_layouts={"DSparkDraftModel": "specforge", "Qwen3DSparkModel": "deepspec"},
     ),
 )}
 

@@ -12,26 +12,25 @@ from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import read_json
+from draftsmith.registry import METHODS
 
 NATIVE = "native"
-# architectures[0] -> (method, layout). The engines' own names: a folder another tool
-# trained carries the same architecture, which is how its layout is recognised.
-ARCHITECTURES = {
-    "LlamaForCausalLMEagle3": ("eagle3", "sglang/vllm"),  # SpecForge writes this one too
-    "DFlashDraftModel": ("dflash", "zlab"),  # z-lab and SpecForge
-    "DSparkDraftModel": ("dspark", "specforge"),
-    "Qwen3DSparkModel": ("dspark", "deepspec"),
-}
 MTP_LAYOUT = "deepseek"  # a target whose config declares num_nextn_predict_layers
-EXPECTED = {
-    "eagle3": "a draftsmith native folder or an SGLang/vLLM/SpecForge EAGLE-3 folder "
-              "(architectures ['LlamaForCausalLMEagle3'])",
-    "dflash": "a draftsmith native folder or a z-lab/SpecForge DFlash folder (architectures ['DFlashDraftModel'])",
-    "dspark": "a draftsmith native folder, a SpecForge DSpark folder (architectures ['DSparkDraftModel']) "
-              "or a DeepSpec one (['Qwen3DSparkModel'])",
-    "mtp": "a draftsmith MTP run or target folder (with mtp/) or a DeepSeek-style target whose config.json "
-           "has num_nextn_predict_layers",
-}
+
+
+def _architectures() -> dict[str, tuple[str, str]]:
+    """architectures[0] -> (method, layout), from each method's registration. The engines'
+    own names: a folder another tool trained carries the same architecture."""
+    return {arch: (spec.name, layout) for spec in METHODS.values() for arch, layout in spec.foreign_layouts.items()}
+
+
+def _expected(method: str) -> str:
+    if method == "mtp":
+        return ("a draftsmith MTP run or target folder (with mtp/) or a DeepSeek-style target whose config.json "
+                "has num_nextn_predict_layers")
+    foreign = METHODS[method].foreign_layouts if method in METHODS else {}
+    return "a draftsmith native folder" + "".join(f" or a {layout} folder (architectures [{arch!r}])"
+                                                  for arch, layout in foreign.items())
 
 
 def identify(path: str | Path) -> tuple[str | None, str | None, dict]:
@@ -43,8 +42,9 @@ def identify(path: str | Path) -> tuple[str | None, str | None, dict]:
     if meta.get("format") == "draftsmith" and "method" in meta:
         return meta["method"], NATIVE, meta
     arch = (meta.get("architectures") or [None])[0]
-    if arch in ARCHITECTURES:
-        return (*ARCHITECTURES[arch], meta)
+    known = _architectures()
+    if arch in known:
+        return (*known[arch], meta)
     if (path / "mtp" / "config.json").is_file():
         return "mtp", NATIVE, meta
     if meta.get("num_nextn_predict_layers"):
@@ -59,7 +59,7 @@ def expect(path: str | Path, method: str) -> tuple[str, dict]:
     if found is None:
         arch = meta.get("architectures")
         raise DraftsmithError(f"{path}/config.json (architectures {arch!r}) is no layout draftsmith reads as "
-                              f"{method}: expected {EXPECTED.get(method, 'a draftsmith native folder')}")
+                              f"{method}: expected {_expected(method)}")
     if found != method:
         raise DraftsmithError(f"{path} holds a {found} drafter, not {method} ({layout} layout); "
                               f"evaluate it as {found}:{path}")

@@ -24,16 +24,10 @@ from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_cache import write_feature_cache
 from draftsmith.models.target import build_tiny_target, load_target
+from test_regenerate import CONVERSATIONS as REGEN_CONVERSATIONS
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "def add(a, b):"}],
-    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "import os"},
-     {"role": "assistant", "content": "a human reply, to be replaced"}, {"role": "user", "content": "and sys?"}],
-    [{"role": "user", "content": "class A:"}],
-    [{"role": "user", "content": "for i in range(3):"}],
-    [{"role": "user", "content": "x = [1, 2,"}],
-    [{"role": "user", "content": "while True:"}],
-]
+# test_regenerate's conversations, one more so that a stopped server leaves rows on both sides.
+CONVERSATIONS = [*REGEN_CONVERSATIONS, [{"role": "user", "content": "while True:"}]]
 NEW_TOKENS = 8
 
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file, ensure_writable_dir, read_json
+from draftsmith.fsutil import atomic_file, ensure_writable_dir
 from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs
 from draftsmith.train.method import build_method
@@ -174,12 +174,12 @@ def check_positions(recipe: Recipe) -> None:
     t = recipe.target
     if t.path:
         from draftsmith.models.target import resolve_model_dir
+        from draftsmith.models.tile import read_target_config
 
-        config = Path(resolve_model_dir(t.path)) / "config.json"
-        config = read_json(config) if config.is_file() else {}  # a hub name: checked once loaded, by no one
-        positions = config.get("max_position_embeddings") or (config.get("text_config") or {}).get(
-            "max_position_embeddings")
-        where = f"target {t.path}"
+        folder = resolve_model_dir(t.path)
+        if not isinstance(folder, Path):  # a hub name: the target's own load names what is wrong
+            return
+        positions, where = read_target_config(folder).get("max_position_embeddings"), f"target {t.path}"
     else:
         positions, where = t.max_position_embeddings, "target.max_position_embeddings"
     if positions and recipe.train.seq_len > positions:

@@ -54,10 +54,8 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
         return _dataset_file(recipe), False
     # Answers depend only on the target and these settings, so every drafter trained
     # against the same target shares them: they are cached under a key of both.
-    settings = json.dumps([data.dataset, data.num_conversations, data.prompt_chars, data.regen_max_new_tokens,
-                           data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed,
-                           target_fingerprint(resolve_model_dir(recipe.target.path)),
-                           *_dataset_settings(data).values()], sort_keys=True)
+    settings = json.dumps([answer_settings(recipe), target_fingerprint(resolve_model_dir(recipe.target.path))],
+                          sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:16]
     out = cache_dir() / "regenerated" / f"{key}.jsonl"
     conversations = lambda: (embedded_conversations(data.num_conversations, data.prompt_chars)  # noqa: E731
@@ -144,15 +142,20 @@ def training_rows(recipe: Recipe, target, tokenizer):
     return split["train"].with_format("torch"), split["test"].with_format("torch"), source
 
 
+def answer_settings(recipe: Recipe) -> dict:
+    """The recipe values the target's answers depend on, besides the target itself."""
+    d = recipe.data
+    return {"data.dataset": d.dataset, "data.num_conversations": d.num_conversations,
+            "data.prompt_chars": d.prompt_chars, "data.regen_max_new_tokens": d.regen_max_new_tokens,
+            "data.regen_temperature": d.regen_temperature, "data.regen_top_p": d.regen_top_p,
+            "data.regen_top_k": d.regen_top_k, "train.seed": recipe.train.seed, **_dataset_settings(d)}
+
+
 def rows_settings(recipe: Recipe) -> dict:
     """The recipe values `training_rows` depends on, besides the target: a feature cache
     records them, and a run reading the cache must have the same."""
-    d, t = recipe.data, recipe.train
-    return {"data.dataset": d.dataset, "data.regenerate": d.regenerate, "data.num_conversations": d.num_conversations,
-            "data.prompt_chars": d.prompt_chars, "data.regen_max_new_tokens": d.regen_max_new_tokens,
-            "data.regen_temperature": d.regen_temperature, "data.regen_top_p": d.regen_top_p,
-            "data.regen_top_k": d.regen_top_k, "train.seq_len": t.seq_len, "train.seed": t.seed,
-            **_dataset_settings(d)}
+    return {**answer_settings(recipe), "data.regenerate": recipe.data.regenerate,
+            "train.seq_len": recipe.train.seq_len}
 
 
 class PostHocMethod(TrainMethod):
