@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import re
 import sysconfig
 from pathlib import Path
@@ -99,19 +98,21 @@ def _line_windows(text: str, max_chars: int) -> list[str]:
 
 
 def corpus_prompts(count: int, max_chars: int = 512, split: str = "test") -> list[str]:
-    """`count` prompts of up to `max_chars` characters cut at line boundaries.
+    """`count` prompts of up to `max_chars` characters cut at line boundaries, spread evenly
+    over all the line windows of the split's modules.
 
-    The first prompt of each module is its beginning; prompts are taken round-robin over
-    the modules of the split, so a few dozen prompts come from a few dozen modules.
+    Even spacing makes the prompts a fair sample of the text: taking each module's first
+    window would make most of them licence headers, whose continuation is a run of `#`
+    lines that says nothing about the code a drafter is meant to predict.
     """
     if count < 1 or max_chars < 1:
         raise DraftsmithError(f"corpus prompts: count ({count}) and max_chars ({max_chars}) must be positive")
-    per_module = [_line_windows(text, max_chars) for _, text in embedded_split(split)]
-    windows = [w for group in itertools.zip_longest(*per_module) for w in group if w]
+    windows = [w for _, text in embedded_split(split) for w in _line_windows(text, max_chars)]
     if len(windows) < count:
         raise DraftsmithError(f"embedded corpus: the {split} split holds {len(windows)} prompts of "
                               f"{max_chars} characters, fewer than the {count} asked for")
-    return windows[:count]
+    # The middle of each of `count` equal strides, so neither end of the split is favoured.
+    return [windows[(2 * i + 1) * len(windows) // (2 * count)] for i in range(count)]
 
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text", ".text": "text",

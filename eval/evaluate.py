@@ -16,7 +16,14 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.proposers import parse_spec, proposer_from_spec
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
-from draftsmith.eval.report import check_report_dest, format_table, speedup_bound, write_index, write_report
+from draftsmith.eval.report import (
+    check_report_dest,
+    distinct_4gram_ratio,
+    format_table,
+    speedup_bound,
+    write_index,
+    write_report,
+)
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.target import resolve_model_dir
 from draftsmith.models.tile import plan_tile, read_target_config
@@ -190,7 +197,8 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                      "seed": settings.seed, "cache": settings.cache, "compile": settings.compile},
-        "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target},
+        "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target,
+                     "distinct_4gram": distinct_4gram_ratio(base_out)},
         "drafters": rows,
         "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()}}
                     for i, p in enumerate(prompts)],

@@ -52,8 +52,11 @@ def test_corpus_prompts_are_line_aligned_excerpts_of_held_out_modules():
     assert prompts == corpus_prompts(50, max_chars=300) and len(set(prompts)) == 50
     assert all(0 < len(p) <= 300 and p.strip() for p in prompts)
     assert all(any(p in text for text in held_out) for p in prompts)
-    # The first prompts open distinct modules.
-    assert prompts[: len(held_out)] == [text[: len(p)] for text, p in zip(held_out, prompts)]
+    # Spread over the split, not each module's opening (mostly licence headers): many
+    # modules, and module openings only in their fair share.
+    modules = {next(i for i, text in enumerate(held_out) if p in text) for p in prompts}
+    openings = sum(any(text.startswith(p) for text in held_out) for p in prompts)
+    assert len(modules) >= len(held_out) // 2 and openings <= 5
     with pytest.raises(DraftsmithError, match="fewer than"):
         corpus_prompts(10**6, max_chars=300)
     with pytest.raises(DraftsmithError, match="unknown split 'dev'"):

@@ -468,3 +468,54 @@ def test_bad_tree_options_are_one_line(trained, options, match):
     with pytest.raises(DraftsmithError, match=match) as caught:
         Eagle3Proposer(trained[2], **{"mode": "tree", **options})
     assert "\n" not in str(caught.value)
+
+
+def test_sampled_tree_children_are_drawn_without_replacement():
+    """Sampled trees: siblings are distinct draws from q, each recording q without the
+    earlier siblings (what multi-draft rejection sampling needs to stay exact), and the
+    first child is distributed as q itself, the chain's draft."""
+    from draftsmith.eval.proposers.eagle3 import TreeCandidates
+
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    first = torch.zeros(5)
+    for _ in range(4000):
+        nodes = TreeCandidates()
+        nodes.add_sampled_children(-1, q, 3, generator)
+        tokens = nodes.token
+        assert len(tokens) == len(set(tokens)) == 3 and 4 not in tokens  # never a token of mass 0
+        rest = q.clone()
+        for token, recorded in zip(tokens, nodes.q):
+            torch.testing.assert_close(recorded, rest / rest.sum())
+            rest[token] = 0.0
+        assert nodes.score[0] == pytest.approx(float(q[tokens[0]].log()))
+        first[tokens[0]] += 1
+    torch.testing.assert_close(first / first.sum(), q, atol=0.03, rtol=0)
+    nodes = TreeCandidates()
+    nodes.add_sampled_children(-1, torch.tensor([0.0, 1.0, 0.0]), 3, generator)
+    assert nodes.token == [1]  # fewer children than k when q has fewer tokens
+
+
+def test_sampled_tree_decoding_is_lossless(trained):
+    """A sampled tree commits tokens distributed as the target's own sampling: the first
+    committed token's frequencies over many seeds match the target's processed p."""
+    from draftsmith.eval.sampling import process_logits
+
+    _, target, drafter, seqs, _ = trained
+    sampling = SamplingParams(temperature=1.0, top_k=8)
+    prompt = seqs[0, :PROMPT]
+    with torch.no_grad():
+        first = process_logits(target(prompt[None]).logits[0, -1], sampling)
+    decoder = SpeculativeDecoder(target, Eagle3Proposer(drafter, mode="tree", topk=3), num_draft=5, eos_token_id=())
+    second = torch.zeros(VOCAB)
+    token = int(first.argmax())
+    with torch.no_grad():
+        p = process_logits(target(torch.cat([prompt, torch.tensor([token])])[None]).logits[0, -1], sampling)
+    runs = 0
+    for seed in range(1200):
+        out = decoder.generate(prompt, 2, sampling, torch.Generator().manual_seed(seed)).tokens
+        if int(out[0]) == token:  # condition on the first token to check the verified second one
+            second[int(out[1])] += 1
+            runs += 1
+    assert runs > 150
+    torch.testing.assert_close(second / runs, p, atol=0.08, rtol=0)

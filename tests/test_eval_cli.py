@@ -53,7 +53,7 @@ def test_greedy_and_sampled_reports_side_by_side(runs, tmp_path):
     assert set(index) == {"t0", "t1"}
     assert json.loads((out / "t1" / "report.json").read_text())["settings"]["temperature"] == 1.0
     front = (out / "report.md").read_text()
-    assert "Temperature 0" in front and "Temperature 1" in front and "t1/report.md" in front
+    assert "Greedy" in front and "Temperature 1" in front and "t1/report.md" in front
 
 
 @pytest.mark.parametrize("make_args, message", [

@@ -110,3 +110,52 @@ def test_lengths_must_match_num_draft(results):
     results["drafters"][0]["accepted_length_hist"].pop()
     with pytest.raises(DraftsmithError, match=r"drafters\[0\] \(eagle3\).*num_draft 3"):
         format_table(results)
+
+
+def test_distinct_4grams_tell_a_loop_from_text():
+    loop = [7, 8] * 20
+    assert report.distinct_4gram_ratio([loop]) == pytest.approx(2 / 37)
+    assert report.distinct_4gram_ratio([list(range(40))]) == 1.0
+    assert report.distinct_4gram_ratio([loop, list(range(40))]) == pytest.approx((2 / 37 + 1) / 2)
+
+
+def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
+    """scripts/bench_demo.py reads each seed's eval folder (greedy and sampled reports
+    under one index) and prints tau's median and range per setting and drafter."""
+    import importlib.util
+
+    from draftsmith.eval.report import write_index
+
+    spec = importlib.util.spec_from_file_location("bench_demo", report.__file__.replace(
+        "eval/report.py", "scripts/bench_demo.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    per_seed = {}
+    for seed, taus in enumerate([(2.0, 3.0), (4.0, 3.5), (3.0, 5.0)]):
+        runs = []
+        for temperature in (0.0, 0.7):
+            run = copy.deepcopy(results)
+            run["settings"].update(temperature=temperature, top_p=0.8, top_k=20)
+            run["baseline"]["distinct_4gram"] = 0.5 + seed / 10
+            for row, tau in zip(run["drafters"], taus):
+                row["tau"] = tau + temperature
+                row["bound"] = speedup_bound(row["tau"], 25.0, row["T_draft_ms"], row["T_verify_ms"])
+            runs.append((f"t{temperature:g}", run))
+        folder = tmp_path / f"seed{seed}"
+        for label, run in runs:
+            write_report(run, folder / label)
+        write_index(runs, folder)
+        per_seed[seed] = bench.load_reports(folder)
+    summary = bench.summarize(per_seed)
+    assert set(summary) == {"t0", "t0.7"}
+    eagle = summary["t0"]["drafters"]["eagle3"]
+    assert (eagle["median"], eagle["min"], eagle["max"]) == (3.0, 2.0, 4.0)
+    assert summary["t0.7"]["drafters"]["dspark"]["median"] == pytest.approx(4.2)
+    assert summary["t0"]["distinct_4gram"]["median"] == pytest.approx(0.6)
+    text = bench.markdown(summary, {0: 600.0, 1: 700.0, 2: 650.0})
+    assert "## t0.7: temperature 0.7, top-p 0.8, top-k 20" in text
+    assert "| eagle3 | 3.00 | 2.00 to 4.00 | 2.00 4.00 3.00 |" in text
+    assert "median 650 s" in text
+    del per_seed[2]["t0"]["drafters"][0]  # a drafter missing from one seed is an error, not a gap
+    with pytest.raises(ValueError, match="eagle3 is missing"):
+        bench.summarize(per_seed)

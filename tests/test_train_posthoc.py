@@ -59,8 +59,10 @@ def test_eagle3_trains_with_ttt_and_decodes_losslessly_as_chain_and_tree(target,
 
 def test_trained_dflash_beats_an_untrained_one(target, tmp_path):
     run = tmp_path / "dflash"
+    # Validated from step 5: a tiny DFlash drops most of its loss in the first steps, then sits
+    # on a plateau (the demo's DFlash does the same, README), so step 15 is too late a start.
     train(posthoc("dflash", run, target, train__max_steps=40, train__lr=3e-3, method__num_anchors=16,
-                  method__block_size=8))
+                  method__block_size=8, train__eval_every=5))
     val = [r for r in metrics(run) if "val/loss" in r]
     assert val[-1]["val/loss"] < val[0]["val/loss"] and "val/tau_est" in val[-1]
     from transformers import AutoModelForCausalLM

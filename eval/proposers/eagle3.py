@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers.base import Draft, SamplingParams
+from draftsmith.eval.proposers.base import GREEDY, Draft, SamplingParams
 from draftsmith.eval.sampling import process_logits, sample
 from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
 from draftsmith.models.export_eagle3 import load_any
@@ -39,11 +39,13 @@ class Eagle3Proposer:
     child never scores above its parent). The budget is the decoder's max_nodes, or
     `budget` when smaller; the depth follows from it (up to `budget` levels, as EAGLE-2's
     depth follows its total-token budget; `depth` caps it), so a chain is one possible
-    tree and a confident drafter grows a deep, narrow one. Tree drafts are deterministic
-    (`probs` None), which the decoder's tree sampling accepts losslessly."""
+    tree and a confident drafter grows a deep, narrow one. Greedy tree drafts are EAGLE-2's
+    deterministic top-k; sampled ones are drawn without replacement (`sampled_children`,
+    see `TreeCandidates.add_sampled_children`; False keeps EAGLE-2's top-k), and the
+    decoder's tree sampling accepts either losslessly."""
 
     def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int | None = None,
-                 budget: int | None = None, name: str | None = None):
+                 budget: int | None = None, name: str | None = None, sampled_children: bool = True):
         if mode not in ("chain", "tree"):
             raise DraftsmithError(f"EAGLE-3 drafting mode {mode!r}: expected 'chain' or 'tree'")
         if topk < 1 or (depth is not None and depth < 1):
@@ -52,6 +54,7 @@ class Eagle3Proposer:
             raise DraftsmithError(f"EAGLE-3 tree: the node budget must be at least one node, got {budget}")
         self.drafter = drafter.eval()
         self.mode, self.topk, self.depth, self.budget = mode, topk, depth, budget
+        self.sampled_children = sampled_children
         self.name = name or f"eagle3-{mode}"
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.device = drafter.fc.weight.device
@@ -79,7 +82,7 @@ class Eagle3Proposer:
         self._catch_up()
         if self.mode == "chain":
             return self._chain(max_nodes, sampling, generator)
-        return self._tree(max_nodes)
+        return self._tree(max_nodes, sampling, generator)
 
     # ---- context ---------------------------------------------------------------------
 
@@ -128,11 +131,18 @@ class Eagle3Proposer:
 
     # ---- EAGLE-2 dynamic tree ------------------------------------------------------------
 
-    def _tree(self, max_nodes: int) -> Draft:
+    def _tree(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
         budget = max_nodes if self.budget is None else min(max_nodes, self.budget)
-        return self.grow_tree(budget).select(budget)
+        return self.grow_tree(budget, sampling, generator).select(budget)
 
-    def grow_tree(self, budget: int) -> "TreeCandidates":
+    def _children(self, nodes: "TreeCandidates", parent: int, logits: torch.Tensor, k: int,
+                  sampling: SamplingParams, generator) -> None:
+        if sampling.greedy or not self.sampled_children:
+            nodes.add_children(parent, logits, k, self.draft_ids)
+        else:
+            nodes.add_sampled_children(parent, process_logits(self._on_target_vocab(logits), sampling), k, generator)
+
+    def grow_tree(self, budget: int, sampling: SamplingParams = GREEDY, generator=None) -> "TreeCandidates":
         """Expand the `topk` best nodes of each depth by their `topk` best children, one
         depth after another, until the budget's depth (`budget` levels, or `depth`) or until
         no node of the newest depth can still be among the `budget` best (a child never
@@ -146,7 +156,7 @@ class Eagle3Proposer:
         nodes = TreeCandidates()
         above: dict[int, list[int]] = {-1: []}  # expanded node -> cache rows of its ancestors and itself
         outputs = {-1: self.last_out}  # expanded node -> its drafter output (its children's hidden)
-        nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1], k, self.draft_ids)
+        self._children(nodes, -1, self.drafter.logits(self.last_out)[0, -1], k, sampling, generator)
         frontier = list(range(len(nodes)))
         levels = budget if self.depth is None else min(self.depth, budget)
         for level in range(1, levels):
@@ -167,7 +177,7 @@ class Eagle3Proposer:
             first_child = len(nodes)
             for j, n in enumerate(frontier):
                 outputs[n] = out[:, j : j + 1]
-                nodes.add_children(n, logits[j], k, self.draft_ids)
+                self._children(nodes, n, logits[j], k, sampling, generator)
             frontier = sorted(range(first_child, len(nodes)), key=lambda n: -nodes.score[n])[:k]
         return nodes
 
@@ -181,18 +191,44 @@ class TreeCandidates:
         self.parent: list[int] = []
         self.depth: list[int] = []
         self.score: list[float] = []
+        self.q: list[torch.Tensor] = []  # sampled trees: the distribution each node was drawn from
+
+    def _add(self, node: int, token: int, logprob: float) -> None:
+        base, level = (self.score[node], self.depth[node] + 1) if node >= 0 else (0.0, 1)
+        self.token.append(token)
+        self.parent.append(node)
+        self.depth.append(level)
+        self.score.append(base + logprob)
 
     def __len__(self) -> int:
         return len(self.token)
 
     def add_children(self, node: int, logits: torch.Tensor, k: int, draft_ids: torch.Tensor) -> None:
         top = logits.float().log_softmax(-1).topk(k)
-        base, level = (self.score[node], self.depth[node] + 1) if node >= 0 else (0.0, 1)
         for logprob, token in zip(top.values.tolist(), draft_ids[top.indices].tolist()):
-            self.token.append(token)
-            self.parent.append(node)
-            self.depth.append(level)
-            self.score.append(base + logprob)
+            self._add(node, token, logprob)
+
+    def add_sampled_children(self, node: int, q: torch.Tensor, k: int, generator=None) -> None:
+        """Up to `k` children drawn from q [V] without replacement (Gumbel top-k), each
+        recording q without its earlier siblings, renormalised, as the decoder's multi-draft
+        rejection sampling needs.
+
+        Why not EAGLE-2's deterministic top-k here: under sampling a deterministic child is
+        accepted with probability p(x), so `k` of them catch at most the target's top-k
+        mass, while a child drawn from q is accepted with probability sum min(p, q) -- more
+        when the target's sampling distribution is flat. With drawn children the first
+        child of every node is exactly the chain's draft, so the tree contains the chain.
+        Measured on the demo's EAGLE-3 over 16 held-out prompts at temperature 0.7, top-p
+        0.8, top-k 20 (15 nodes): tau 2.53 with drawn children, 1.96 with top-4 children,
+        2.04 for the chain; first-position acceptance 0.74, 0.56 and 0.49."""
+        u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-20, 1.0)
+        keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q is 0
+        count = min(k, int((q > 0).sum()))
+        rest = q.clone()
+        for token in keys.topk(count).indices.tolist():
+            self.q.append(rest / rest.sum())
+            self._add(node, token, float(q[token].log()))
+            rest[token] = 0.0
 
     def cutoff(self, budget: int) -> float:
         """The `budget`-th best score so far (-inf while there are fewer nodes): a node
@@ -217,4 +253,5 @@ class TreeCandidates:
         index[-1] = -1
         tokens = torch.tensor([self.token[n] for n in kept], dtype=torch.long)
         parents = torch.tensor([index[self.parent[n]] for n in kept], dtype=torch.long)
-        return Draft(tokens, parents, None)
+        probs = torch.stack([self.q[n] for n in kept]) if self.q and kept else None
+        return Draft(tokens, parents, probs)
