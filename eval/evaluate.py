@@ -20,6 +20,7 @@ from draftsmith.eval.report import (
     check_report_dest,
     distinct_4gram_ratio,
     format_table,
+    setting_name,
     speedup_bound,
     write_index,
     write_report,
@@ -207,6 +208,6 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
 
 def print_summary(runs: list[dict], out_dir) -> None:
     for results in runs:
-        print(f"temperature {results['settings']['temperature']:g}:")
+        print(f"{setting_name(results['settings'])}:")
         print(format_table(results))
     print(f"report: {Path(out_dir) / 'report.md'}")

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.eval.report import distinct_4gram_ratio, setting_name
+from draftsmith.eval.report import setting_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,9 +74,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
             if label not in reports:
                 raise ValueError(f"seed {seed} has no {label} report")
             report = reports[label]
-            stored = report["baseline"].get("distinct_4gram")  # reports before it was stored: recompute
-            distinct[seed] = stored if stored is not None else distinct_4gram_ratio(
-                [p["outputs"]["baseline"] for p in report["prompts"]])
+            distinct[seed] = report["baseline"]["distinct_4gram"]
             for row in report["drafters"]:
                 taus.setdefault(row["name"], {})[seed] = row["tau"]
         for name, values in taus.items():

@@ -485,8 +485,8 @@ def test_sampled_tree_children_are_drawn_without_replacement():
         tokens = nodes.token
         assert len(tokens) == len(set(tokens)) == 3 and 4 not in tokens  # never a token of mass 0
         rest = q.clone()
-        for token, recorded in zip(tokens, nodes.q):
-            torch.testing.assert_close(recorded, rest / rest.sum())
+        for n, token in enumerate(tokens):
+            torch.testing.assert_close(nodes.drawn_from(n), rest / rest.sum())
             rest[token] = 0.0
         assert nodes.score[0] == pytest.approx(float(q[tokens[0]].log()))
         first[tokens[0]] += 1

@@ -191,7 +191,11 @@ class TreeCandidates:
         self.parent: list[int] = []
         self.depth: list[int] = []
         self.score: list[float] = []
-        self.q: list[torch.Tensor] = []  # sampled trees: the distribution each node was drawn from
+        # Sampled trees: one q per expansion, and per node (its expansion, its first sibling).
+        # A node's own q (q without its earlier siblings) is built in `select` for kept
+        # nodes only: the candidates number many times the budget, each a vocabulary long.
+        self.dists: list[torch.Tensor] = []
+        self.family: list[tuple[int, int]] = []
 
     def _add(self, node: int, token: int, logprob: float) -> None:
         base, level = (self.score[node], self.depth[node] + 1) if node >= 0 else (0.0, 1)
@@ -224,11 +228,18 @@ class TreeCandidates:
         u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-20, 1.0)
         keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q is 0
         count = min(k, int((q > 0).sum()))
-        rest = q.clone()
+        family = (len(self.dists), len(self))
+        self.dists.append(q)
         for token in keys.topk(count).indices.tolist():
-            self.q.append(rest / rest.sum())
+            self.family.append(family)
             self._add(node, token, float(q[token].log()))
-            rest[token] = 0.0
+
+    def drawn_from(self, n: int) -> torch.Tensor:
+        """The q node n was drawn from: its expansion's q without its earlier siblings."""
+        dist, first = self.family[n]
+        q = self.dists[dist].clone()
+        q[self.token[first:n]] = 0.0
+        return q / q.sum()
 
     def cutoff(self, budget: int) -> float:
         """The `budget`-th best score so far (-inf while there are fewer nodes): a node
@@ -253,5 +264,5 @@ class TreeCandidates:
         index[-1] = -1
         tokens = torch.tensor([self.token[n] for n in kept], dtype=torch.long)
         parents = torch.tensor([index[self.parent[n]] for n in kept], dtype=torch.long)
-        probs = torch.stack([self.q[n] for n in kept]) if self.q and kept else None
+        probs = torch.stack([self.drawn_from(n) for n in kept]) if self.dists and kept else None
         return Draft(tokens, parents, probs)
