@@ -361,7 +361,7 @@ class SpeculativeDecoder:
     def _new_sequence_cache(self, tokens: int):
         """An empty target cache with room for `tokens` committed ones plus a last verify."""
         if self.cache_kind == "dynamic":
-            return new_cache(self.target)
+            return new_cache(self.target, rollback=1 + self.num_draft)
         # The last verify writes 1 + D rows from slot tokens - 2 at the latest.
         need = tokens + self.num_draft
         if self.max_cache_len is not None and need > self.max_cache_len:

@@ -60,7 +60,10 @@ def _first(config, keys):
 
 
 def target_shape(config) -> TargetShape:
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        raise DraftsmithError(f"target {type(config).__name__} has no attention heads (a recurrent model): the "
+                              "hidden-state drafters take the target's attention shape; use ngram or a draft model")
     return TargetShape(
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -283,21 +286,34 @@ def target_forward(
     return TargetOutput(logits=out.logits, hidden=dict(hidden), cache=new_cache if cache is not None else None)
 
 
-def new_cache(model: nn.Module):
-    """A DynamicCache that can be rolled back. Sliding-window and linear-attention layers drop
-    rows past their window (or kernel) as they go, which a rejected draft's crop could then
-    not undo; told to record their past, they keep those rows until the next `crop_cache`."""
+def new_cache(model: nn.Module, rollback: int = 1):
+    """A DynamicCache that can be rolled back by up to `rollback` tokens.
+
+    Sliding-window and linear-attention layers drop rows past their window (or kernel) as
+    they go, which a rejected draft's crop could then not undo; told to record their past,
+    they keep those rows until the next `crop_cache`. A recurrent state (Mamba, gated
+    delta-net) cannot be recomputed backwards: transformers >= 5.25 keeps the states after
+    each of a forward's last `rollback` tokens, so a verify of 1 + D tokens needs
+    `rollback >= 1 + D`. Older versions keep none, and such a target is refused here.
+    """
+    import transformers
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     for layer in cache.layers:
-        if hasattr(layer, "activate_past_recording"):  # transformers >= 5.x where they exist
-            layer.activate_past_recording()
+        record = getattr(layer, "activate_past_recording", None)  # transformers >= 5.x where they exist
+        if record is None:
+            continue
+        if "recurrent_states_to_keep" in inspect.signature(record).parameters:
+            record(recurrent_states_to_keep=max(1, int(rollback)))
+        else:
+            record()
     try:
         cache.get_seq_length()
-    except ValueError:  # only recurrent layers (Mamba): no token count, nothing to crop
-        raise DraftsmithError(f"target {type(model).__name__} keeps a recurrent state and no attention KV cache; "
-                              "the speculative decoder needs a KV cache it can crop") from None
+    except ValueError:  # only recurrent layers (Mamba) in a transformers that cannot roll them back
+        raise DraftsmithError(f"target {type(model).__name__} keeps a recurrent state that this transformers "
+                              f"({transformers.__version__}) cannot roll back past rejected drafts; transformers "
+                              ">= 5.25 can") from None
     return cache
 
 
@@ -354,7 +370,14 @@ def crop_cache(cache, keep: int) -> None:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
     if drop and not getattr(cache, "is_croppable", True):
         raise DraftsmithError("this target's cache cannot be rolled back past rejected drafts (it keeps a recurrent "
-                              "state, as Mamba and linear-attention layers do); decode it without drafts")
+                              "state, as Mamba and linear-attention layers do, and this transformers keeps no past states); "
+                              "use transformers >= 5.25 or decode it without drafts")
+    for layer in cache.layers:
+        history = getattr(layer, "recurrent_states_history", {}).get(0)
+        if drop and history is not None and layer.is_recurrent_states_initialized[0] and drop > len(history):
+            # transformers would restore a state from before the tokens it should keep
+            raise ValueError(f"cannot roll a recurrent state back {drop} tokens: the cache kept {len(history)} "
+                             "(new_cache's `rollback` sizes it)")
     cache.crop(-drop)  # crop(0) too: it trims the rows that recording layers kept past their window
 
 

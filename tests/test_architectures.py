@@ -12,6 +12,7 @@ with only a recurrent state, are refused in one line. A target whose layers cann
 still decodes with n-gram, and a hidden-state drafter on it is refused in one line.
 """
 
+import inspect
 import json
 import re
 from types import SimpleNamespace
@@ -19,6 +20,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, MambaConfig, Qwen3NextConfig
+from transformers.cache_utils import LinearAttentionLayer
 
 from decoding_helpers import TreeAroundOracle, noisy_copy
 from draftsmith.cli import main
@@ -195,14 +198,59 @@ def test_tree_drafts_on_a_sliding_window_target_are_refused_in_one_line(windowed
         decoder.generate(torch.tensor(PROMPTS[0]), NEW)
 
 
-def test_recurrent_target_is_refused_in_one_line():
-    from transformers import AutoModelForCausalLM, MambaConfig
+# Mamba keeps only a recurrent state; Qwen3-Next interleaves gated delta-net layers with full
+# attention. transformers >= 5.25 records the recurrent states of a forward's last tokens, so
+# a rejected draft can be rolled back; older versions cannot, and such a target is refused.
+RECURRENT = {
+    "mamba": lambda: MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4,
+                                 initializer_range=0.5, eos_token_id=None),
+    "qwen3_next": lambda: Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2,
+        initializer_range=0.2, eos_token_id=None),
+}
+ROLLS_BACK_RECURRENT = "recurrent_states_to_keep" in inspect.signature(
+    LinearAttentionLayer.activate_past_recording).parameters
 
-    target = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                                          state_size=4, eos_token_id=None)).eval()
-    with pytest.raises(DraftsmithError, match="^target MambaForCausalLM keeps a recurrent state and no attention "
-                                              "KV cache; the speculative decoder needs a KV cache it can crop$"):
-        SpeculativeDecoder(target, NgramProposer(), num_draft=4).generate(torch.tensor(PROMPTS[0]), NEW)
+
+@pytest.fixture(scope="module", params=sorted(RECURRENT))
+def recurrent(request):
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(RECURRENT[request.param]()).eval()
+    with torch.no_grad():
+        refs = [target.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
+                for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) == 2 and all(len(set(r)) > 5 for r in refs)  # not a constant stream
+    return SimpleNamespace(name=request.param, target=target, refs=refs)
+
+
+def test_recurrent_target_rolls_back_rejected_drafts(recurrent):
+    # A close copy of the target: some drafts accepted, the rest rolled back out of the state.
+    decoder = SpeculativeDecoder(recurrent.target, DraftLMProposer(noisy_copy(recurrent.target, scale=0.02, seed=1),
+                                                                   recurrent.target), num_draft=4)
+    if not ROLLS_BACK_RECURRENT:
+        with pytest.raises(DraftsmithError, match="cannot (be )?roll(ed)? back"):
+            decoder.generate(torch.tensor(PROMPTS[0]), NEW)
+        return
+    results = [decoder.generate(torch.tensor(p), NEW) for p in PROMPTS]
+    assert [r.tokens.tolist() for r in results] == recurrent.refs
+    # Some verifies kept part of the drafts: the state was rolled back to inside the verify.
+    assert sum(r.stats.accepted_hist[k] for r in results for k in (1, 2, 3)) > 0
+    ngram = SpeculativeDecoder(recurrent.target, NgramProposer(), num_draft=4)
+    assert ngram.generate(torch.tensor(PROMPTS[0]), NEW).tokens.tolist() == recurrent.refs[0]
+
+
+def test_tree_drafts_on_a_recurrent_target_are_refused_in_one_line(recurrent):
+    if recurrent.name == "mamba":
+        with pytest.raises(DraftsmithError, match="^target MambaConfig has no attention heads"):
+            Eagle3Drafter.from_target(recurrent.target, draft_vocab_size=200)
+        return
+    decoder = SpeculativeDecoder(recurrent.target, _eagle3(recurrent, mode="tree", topk=2, depth=3), num_draft=4)
+    with pytest.raises(DraftsmithError, match="^tree drafts need a full-attention KV cache; this target's cache "
+                                              "has .*LinearAttention"):
+        decoder.generate(torch.tensor(PROMPTS[0]), NEW)
 
 
 # ---- a target whose layers cannot be found ------------------------------------------------
