@@ -519,3 +519,37 @@ def test_sampled_tree_decoding_is_lossless(trained):
             runs += 1
     assert runs > 150
     torch.testing.assert_close(second / runs, p, atol=0.08, rtol=0)
+
+
+@pytest.mark.parametrize("budget", [2, 5])
+def test_sampled_tree_first_token_is_distributed_as_the_target(trained, budget):
+    """Whatever nodes the budget keeps, the first committed token is distributed as the
+    target's processed p. A sampled tree whose kept nodes depended on their own drawn tokens
+    (the best-scoring draws of 4) would commit the drafter's favourites too often."""
+    from decoding_helpers import chi2_pvalue
+    from draftsmith.eval.proposers.base import TargetContext
+    from draftsmith.eval.sampling import accept_tree_sampled, process_logits
+
+    _, target, drafter, seqs, _ = trained
+    sampling = SamplingParams(temperature=1.0, top_k=8)
+    prompt = seqs[1, :PROMPT + 4]
+    proposer = Eagle3Proposer(drafter, mode="tree", topk=4)
+    with torch.no_grad():
+        out = target_forward(target, prompt[None], capture=drafter.config.target_layer_ids)
+        proposer.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
+        proposer.commit(prompt[-1:], TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0],
+                                                   PROMPT + 3))
+        p = process_logits(out.logits[0, -1], sampling)
+    generator = torch.Generator().manual_seed(0)
+    firsts = []
+    for _ in range(3000):
+        draft = proposer.propose(budget, sampling, generator)
+        proposer.cache.crop(proposer.context)
+        children = [[] for _ in range(len(draft.tokens) + 1)]
+        for c, parent in enumerate(draft.parents.tolist()):
+            children[parent + 1].append(c)
+        # Only the first committed token is checked, so every row verifies against p.
+        path, bonus = accept_tree_sampled(p.expand(len(draft.tokens) + 1, -1), draft.tokens.tolist(), children,
+                                          draft.probs, generator)
+        firsts.append(int(draft.tokens[path[0]]) if path else int(bonus))
+    assert chi2_pvalue(firsts, p) > 1e-3

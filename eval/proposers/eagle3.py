@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers.base import GREEDY, Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import process_logits, sample
 from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
 from draftsmith.models.export_eagle3 import load_any
@@ -40,8 +40,8 @@ class Eagle3Proposer:
     `budget` when smaller; the depth follows from it (up to `budget` levels, as EAGLE-2's
     depth follows its total-token budget; `depth` caps it), so a chain is one possible
     tree and a confident drafter grows a deep, narrow one. Greedy tree drafts are EAGLE-2's
-    deterministic top-k; sampled ones are drawn without replacement (`sampled_children`,
-    see `TreeCandidates.add_sampled_children`; False keeps EAGLE-2's top-k), and the
+    deterministic top-k; sampled ones take that tree's shape and draw its children without
+    replacement (`sampled_children`, see `fill_tree`; False keeps EAGLE-2's top-k), and the
     decoder's tree sampling accepts either losslessly."""
 
     def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int | None = None,
@@ -133,20 +133,75 @@ class Eagle3Proposer:
 
     def _tree(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
         budget = max_nodes if self.budget is None else min(max_nodes, self.budget)
-        return self.grow_tree(budget, sampling, generator).select(budget)
-
-    def _children(self, nodes: "TreeCandidates", parent: int, logits: torch.Tensor, k: int,
-                  sampling: SamplingParams, generator) -> None:
+        shape = self.grow_tree(budget).select(budget)
         if sampling.greedy or not self.sampled_children:
-            nodes.add_children(parent, logits, k, self.draft_ids)
-        else:
-            nodes.add_sampled_children(parent, process_logits(self._on_target_vocab(logits), sampling), k, generator)
+            return shape
+        return self.fill_tree(shape.parents.tolist(), sampling, generator)
 
-    def grow_tree(self, budget: int, sampling: SamplingParams = GREEDY, generator=None) -> "TreeCandidates":
-        """Expand the `topk` best nodes of each depth by their `topk` best children, one
-        depth after another, until the budget's depth (`budget` levels, or `depth`) or until
-        no node of the newest depth can still be among the `budget` best (a child never
-        scores above its parent, so the nodes below such a node cannot either).
+    def fill_tree(self, parents: list[int], sampling: SamplingParams, generator) -> Draft:
+        """A tree of the given shape (BFS `parents`, -1: the root) whose children are drawn
+        from the drafter's processed q without replacement, level by level.
+
+        Why the shape comes first: multi-draft rejection sampling is exact only if whether a
+        node is drafted does not depend on the token drawn into it. Keeping the best-scoring
+        of the drawn nodes (EAGLE-2's rerank applied to draws) favours the drafter's likely
+        tokens, and the committed tokens drift from the target's distribution (the test
+        `test_sampled_tree_first_token_is_distributed_as_the_target` catches it). The shape
+        is EAGLE-2's top-k tree for this context, chosen before anything is drawn; a
+        node's first child is then distributed as the chain's draft from it. It costs a
+        second pass of drafter steps, one per level."""
+        slots: dict[int, list[int]] = {-1: []}
+        for node, parent in enumerate(parents):
+            slots.setdefault(parent, []).append(node)
+        nodes = TreeCandidates()
+        made = {-1: -1}  # shape node -> drawn node
+        above: dict[int, list[int]] = {-1: []}
+        outputs = {-1: self.last_out}
+        logits = {-1: self.drafter.logits(self.last_out)[0, -1]}
+        frontier = [-1]
+        for level in range(len(parents) + 1):
+            grown = []
+            for n in frontier:
+                q = process_logits(self._on_target_vocab(logits[n]), sampling)
+                first = len(nodes)
+                # a q with fewer tokens than slots drops the rest, and the subtrees under them
+                nodes.add_sampled_children(made[n], q, len(slots[n]), generator)
+                for slot, drawn in zip(slots[n], range(first, len(nodes))):
+                    made[slot] = drawn
+                    grown.append(slot)
+            frontier = [n for n in grown if slots.get(n)]
+            if not frontier:
+                break
+            out = self._step_nodes(nodes, [made[n] for n in frontier], level + 1, above, outputs)
+            rows = self.drafter.logits(out)[0]
+            logits.update({n: rows[j] for j, n in enumerate(frontier)})
+        return nodes.select(len(nodes))
+
+    def _step_nodes(self, nodes: "TreeCandidates", frontier: list[int], level: int,
+                    above: dict[int, list[int]], outputs: dict) -> torch.Tensor:
+        """One drafter step over the tree nodes `frontier` (all at depth `level`): each
+        sees the context, its ancestors' entries and itself. Records each node's cache
+        rows in `above` and its output in `outputs`; returns the outputs [1, n, H]."""
+        rows = len(self.cache)
+        tokens = torch.tensor([nodes.token[n] for n in frontier], device=self.device)[None]
+        hidden = torch.cat([outputs[nodes.parent[n]] for n in frontier], dim=1)
+        visible = torch.zeros(len(frontier), rows + len(frontier), dtype=torch.bool, device=self.device)
+        visible[:, : self.context] = True
+        for j, n in enumerate(frontier):
+            above[n] = above[nodes.parent[n]] + [rows + j]
+            visible[j, above[n]] = True
+        positions = torch.full((1, len(frontier)), self.context + level - 1, device=self.device)
+        out = self.drafter.step(tokens, hidden, positions, self.cache, visible)
+        for j, n in enumerate(frontier):
+            outputs[n] = out[:, j : j + 1]
+        return out
+
+    def grow_tree(self, budget: int) -> "TreeCandidates":
+        """EAGLE-2's expansion: the `topk` best nodes of each depth get their `topk` best
+        children, one depth after another, until the budget's depth (`budget` levels, or
+        `depth`) or until no node of the newest depth can still be among the `budget` best
+        (a child never scores above its parent, so the nodes below such a node cannot
+        either). Deterministic: a function of the context alone.
 
         A node at depth d is the drafter entry (its token, its parent's output) at position
         context + d - 1; it sees the context entries, its ancestors' entries and itself.
@@ -156,28 +211,17 @@ class Eagle3Proposer:
         nodes = TreeCandidates()
         above: dict[int, list[int]] = {-1: []}  # expanded node -> cache rows of its ancestors and itself
         outputs = {-1: self.last_out}  # expanded node -> its drafter output (its children's hidden)
-        self._children(nodes, -1, self.drafter.logits(self.last_out)[0, -1], k, sampling, generator)
+        nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1], k, self.draft_ids)
         frontier = list(range(len(nodes)))
         levels = budget if self.depth is None else min(self.depth, budget)
         for level in range(1, levels):
             frontier = [n for n in frontier if nodes.score[n] >= nodes.cutoff(budget)]
             if not frontier:
                 break
-            rows = len(self.cache)
-            tokens = torch.tensor([nodes.token[n] for n in frontier], device=self.device)[None]
-            hidden = torch.cat([outputs[nodes.parent[n]] for n in frontier], dim=1)
-            visible = torch.zeros(len(frontier), rows + len(frontier), dtype=torch.bool, device=self.device)
-            visible[:, : self.context] = True
-            for j, n in enumerate(frontier):
-                above[n] = above[nodes.parent[n]] + [rows + j]
-                visible[j, above[n]] = True
-            positions = torch.full((1, len(frontier)), self.context + level - 1, device=self.device)
-            out = self.drafter.step(tokens, hidden, positions, self.cache, visible)
-            logits = self.drafter.logits(out)[0]
+            logits = self.drafter.logits(self._step_nodes(nodes, frontier, level, above, outputs))[0]
             first_child = len(nodes)
             for j, n in enumerate(frontier):
-                outputs[n] = out[:, j : j + 1]
-                self._children(nodes, n, logits[j], k, sampling, generator)
+                nodes.add_children(n, logits[j], k, self.draft_ids)
             frontier = sorted(range(first_child, len(nodes)), key=lambda n: -nodes.score[n])[:k]
         return nodes
 
@@ -215,16 +259,17 @@ class TreeCandidates:
     def add_sampled_children(self, node: int, q: torch.Tensor, k: int, generator=None) -> None:
         """Up to `k` children drawn from q [V] without replacement (Gumbel top-k), each
         recording q without its earlier siblings, renormalised, as the decoder's multi-draft
-        rejection sampling needs.
+        rejection sampling needs. Only `fill_tree` calls it, into a shape chosen before the
+        draw (see there).
 
         Why not EAGLE-2's deterministic top-k here: under sampling a deterministic child is
         accepted with probability p(x), so `k` of them catch at most the target's top-k
         mass, while a child drawn from q is accepted with probability sum min(p, q) -- more
         when the target's sampling distribution is flat. A node's first drawn child is
         distributed as the chain's draft from that node, and its siblings only add chances.
-        Measured on the demo's EAGLE-3 over 16 held-out prompts at temperature 0.7, top-p
-        0.8, top-k 20 (15 nodes): tau 2.53 with drawn children, 1.96 with top-4 children,
-        2.04 for the chain; first-position acceptance 0.74, 0.56 and 0.49."""
+        Measured on the demo's EAGLE-3 (seed 0) over 16 held-out prompts at temperature 0.7,
+        top-p 0.8, top-k 20 (15 nodes): tau 2.19 with drawn children, 1.96 with top-4
+        children, 2.04 for the chain; first-position acceptance 0.71, 0.56 and 0.49."""
         u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-20, 1.0)
         keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q is 0
         count = min(k, int((q > 0).sum()))
