@@ -15,7 +15,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
 
 SPLITS = ("train", "validation", "test")
 _SPLIT_PERCENT = {"train": range(0, 90), "validation": range(90, 95), "test": range(95, 100)}
@@ -143,8 +143,7 @@ def load_dataset_spec(spec: str, split: str = "train", name: str | None = None):
         else:  # a folder of data files, or a hub name when online
             dataset = datasets.load_dataset(str(path) if path.exists() else spec, name, split=split)
     except Exception as exc:  # datasets raises many types (hub, schema, Arrow); report the first line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DraftsmithError(f"dataset {spec} (split {split!r}): {first}") from None
+        raise DraftsmithError(f"dataset {spec} (split {split!r}): {first_lines(exc, 1)}") from None
     if len(dataset) == 0:
         raise DraftsmithError(f"dataset {spec} (split {split!r}) is empty")
     return dataset

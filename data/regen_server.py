@@ -33,11 +33,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from draftsmith.data.chat import end_of_turn_ids
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import ensure_writable_dir
 
@@ -49,16 +52,100 @@ PROBE = "Probe 1: déjà vu, 東京, ∑x², `def f(a, b):\n\treturn a ** b  # 4
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+# ---------------------------------------------------------------- shared with data/regenerate.py
+# (here, in a module that imports no torch, rather than in data/regenerate.py, which does)
+
 @dataclass(frozen=True)
 class Sampling:
+    """How both paths decode a reply."""
     max_new_tokens: int
     temperature: float  # 0: greedy
-    top_p: float
+    top_p: float  # 1: off
     top_k: int  # 0: off
     seed: int
     stop_ids: tuple[int, ...]  # the target's end-of-text and the template's end of turn
     pad_id: int
 
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.temperature < 0:
+            raise DraftsmithError(f"regenerate: max_new_tokens ({self.max_new_tokens}) must be positive and "
+                                  f"temperature ({self.temperature}) not negative")
+        if not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+            raise DraftsmithError(f"regenerate: top_p ({self.top_p}) must be in (0, 1] and top_k ({self.top_k}) "
+                                  f"not negative")
+
+
+def stop_token_ids(generation_config, tokenizer, chat_template: str | None = None, plain: bool = False) -> list[int]:
+    """Where a reply ends: the target's and tokenizer's end-of-text ids and the template's end of turn."""
+    ids = generation_config.eos_token_id
+    ids = set([ids] if isinstance(ids, int) else ids or [])
+    ids |= {tokenizer.eos_token_id} - {None}
+    if not plain:
+        ids |= set(end_of_turn_ids(tokenizer, chat_template))
+    return sorted(ids)
+
+
+def user_turns(messages: list[dict], index: int) -> list[list[dict]]:
+    """The conversation without its assistant turns, cut after each user turn."""
+    turns, pending = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            continue
+        pending.append(message)
+        if message["role"] == "user":
+            turns.append(pending)
+            pending = []
+    if not turns:
+        raise DraftsmithError(f"conversation {index} has no user turn to answer")
+    return turns
+
+
+def partial_path(out_path: Path, settings: list) -> Path:
+    """The hidden file a run with `settings` appends to: a rerun with other ones starts afresh."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return ensure_writable_dir(out_path.parent) / f".{out_path.name}.{key}.partial"
+
+
+@contextmanager
+def resuming(partial: Path, unit: int, total: int) -> Iterator[int]:
+    """The records `partial` already holds (see `resume_point`); an error that leaves it
+    empty removes it: there is nothing to resume, so nothing is left behind."""
+    done = resume_point(partial, unit, total)
+    try:
+        yield done
+    except BaseException:
+        if partial.exists() and partial.stat().st_size == 0:
+            partial.unlink()
+        raise
+
+
+def resume_point(partial: Path, unit: int, total: int) -> int:
+    """Records already in the partial file; the file is cut back to whole records of whole
+    units of `unit` records (all `total` records may end in a short one)."""
+    if not partial.exists():
+        return 0
+    lines = partial.read_bytes().splitlines(keepends=True)
+    good = 0
+    for line in lines:
+        if not line.endswith(b"\n") or not _is_json(line):  # the line an interruption cut short
+            break
+        good += 1
+    # In-process, a batch is generated (and, when sampling, seeded) as a unit.
+    done = good if good >= total else good - good % unit
+    with partial.open("r+b") as handle:
+        handle.truncate(sum(len(line) for line in lines[:done]))
+    return done
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- servers
 
 @dataclass(frozen=True)
 class Limits:
@@ -243,17 +330,13 @@ class ServerClient:
 
 def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool) -> list[int]:
     """`stop_token_ids` of the target without loading its weights: its generation config."""
-    from types import SimpleNamespace
-
     from transformers import AutoConfig, GenerationConfig
-
-    from draftsmith.data.regenerate import stop_token_ids
 
     try:
         config = GenerationConfig.from_pretrained(str(target_dir))
     except OSError:  # no generation_config.json: the model config's eos
         config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(target_dir)))
-    return stop_token_ids(SimpleNamespace(generation_config=config), tokenizer, plain=plain)
+    return stop_token_ids(config, tokenizer, plain=plain)
 
 
 def _request_seed(seed: int, index: int, turn: int) -> int:
@@ -262,10 +345,8 @@ def _request_seed(seed: int, index: int, turn: int) -> int:
 
 
 def answer_conversation(client: ServerClient, messages: list[dict], index: int) -> tuple[list[dict], int]:
-    from draftsmith.data.regenerate import _user_turns
-
     history, tokens = [], 0
-    for turn, asked in enumerate(_user_turns(messages, index)):
+    for turn, asked in enumerate(user_turns(messages, index)):
         history += asked
         text, n = client.complete(history, _request_seed(client.sampling.seed, index, turn))
         history.append({"role": "assistant", "content": text})
@@ -273,32 +354,49 @@ def answer_conversation(client: ServerClient, messages: list[dict], index: int) 
     return history, tokens
 
 
+def _target_identity(target: str | Path):
+    """What says a rerun asks the same target: its weights' fingerprint when its folder is
+    here (a target retrained in place starts afresh), else its name. Never a download: the
+    servers hold the weights, which may be far larger than this machine's disk."""
+    folder = Path(target)
+    if folder.is_dir() and any(folder.glob("*.safetensors")):
+        from draftsmith.models.feature_cache import target_fingerprint
+
+        return target_fingerprint(folder)
+    return str(target)
+
+
 def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], tokenizer, conversations: list[list[dict]],
                            out_path: str | Path, sampling: Sampling, plain: bool = False,
                            limits: Limits = Limits()) -> Path:
-    """Write `conversations` with the target's replies, as `regenerate` does, asking `urls`."""
-    from draftsmith.data.regenerate import _resume_point, _user_turns
+    """Write `conversations` with the target's replies, as `regenerate` does, asking `urls`.
 
+    `target`: the names a server may list it under, the last one its folder or hub name.
+    """
     out_path = Path(out_path)
     if not urls:
         raise DraftsmithError("regenerate: no server given")
     if not conversations:
         raise DraftsmithError("regenerate: no conversations given")
-    if limits.in_flight < 1 or sampling.max_new_tokens < 1 or sampling.temperature < 0:
-        raise DraftsmithError(f"regenerate: in_flight ({limits.in_flight}) and max_new_tokens "
-                              f"({sampling.max_new_tokens}) must be positive and temperature "
-                              f"({sampling.temperature}) not negative")
+    if limits.in_flight < 1:
+        raise DraftsmithError(f"regenerate: in_flight ({limits.in_flight}) must be positive")
     for index, messages in enumerate(conversations):  # a bad record fails before any request
-        _user_turns(messages, index)
+        user_turns(messages, index)
     target = (target,) if isinstance(target, (str, Path)) else tuple(target)
     clients = [ServerClient(url, target, tokenizer, plain, sampling, limits) for url in urls]
     # The key leaves the servers out: a rerun may resume through other ones.
-    settings = json.dumps(["server", str(target[0]), len(tokenizer), conversations, plain,
-                           sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.top_k,
-                           sampling.seed, list(sampling.stop_ids)], sort_keys=True)
-    key = hashlib.sha256(settings.encode()).hexdigest()[:12]
-    partial = ensure_writable_dir(out_path.parent) / f".{out_path.name}.{key}.partial"
-    done = _resume_point(partial, 1, len(conversations))
+    partial = partial_path(out_path, ["server", _target_identity(target[-1]), len(tokenizer), conversations,
+                                      plain, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                                      sampling.top_k, sampling.seed, list(sampling.stop_ids)])
+    with resuming(partial, 1, len(conversations)) as done:
+        _collect(clients, conversations, partial, done, limits.in_flight)
+    os.replace(partial, out_path)
+    return out_path
+
+
+def _collect(clients: list[ServerClient], conversations: list[list[dict]], partial: Path, done: int,
+             in_flight: int) -> None:
+    """Ask the servers for conversations `done`.. and append the answers to `partial` in order."""
     work: queue.Queue[int] = queue.Queue()
     for index in range(done, len(conversations)):
         work.put(index)
@@ -318,10 +416,11 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
                 return
 
     threads = [threading.Thread(target=worker, args=(client,), daemon=True, name=f"regen-{n}")
-               for client in clients for n in range(limits.in_flight)]
+               for client in clients for n in range(in_flight)]
     for thread in threads:
         thread.start()
     finished, next_index, tokens, started = {}, done, 0, time.monotonic()
+    synced = started
     try:
         with partial.open("a", encoding="utf-8") as handle, \
                 tqdm(total=len(conversations), initial=done, desc="regenerate", unit="conv") as bar:
@@ -342,17 +441,16 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
                 if lines:
                     handle.write("".join(lines))
                     handle.flush()
-                    os.fsync(handle.fileno())
+                    # An fsync per short answer would stall this thread at thousands of answers
+                    # a second; a crash loses at most a second, and resuming cuts a torn line.
+                    if time.monotonic() - synced >= 1.0:
+                        os.fsync(handle.fileno())
+                        synced = time.monotonic()
                     bar.update(len(lines))
                 bar.set_postfix_str(f"{tokens / max(time.monotonic() - started, 1e-9):.0f} tok/s", refresh=False)
-    except BaseException:
-        if partial.exists() and partial.stat().st_size == 0:  # nothing to resume: leave nothing behind
-            partial.unlink()
-        raise
+            os.fsync(handle.fileno())
     finally:
         stop.set()  # the threads still asking finish their request and stop; nothing more is written
-    os.replace(partial, out_path)
-    return out_path
 
 
 def sampling_for(target_dir: str | Path, tokenizer, plain: bool, max_new_tokens: int, temperature: float,

@@ -13,19 +13,18 @@ with different ones starts afresh instead of mixing two runs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.chat import end_of_turn_ids, render_text, resolve_template
-from draftsmith.data.processes import Processes
+from draftsmith.data.chat import render_text, resolve_template
+from draftsmith.data.regen_server import Sampling, partial_path, resuming, stop_token_ids, user_turns
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file, ensure_writable_dir
+from draftsmith.fsutil import atomic_file
+from draftsmith.processes import Processes
 
 
 def embedded_conversations(count: int, max_chars: int = 512, split: str = "train") -> list[list[dict]]:
@@ -35,53 +34,19 @@ def embedded_conversations(count: int, max_chars: int = 512, split: str = "train
     return [[{"role": "user", "content": prompt}] for prompt in corpus_prompts(count, max_chars, split)]
 
 
-def _user_turns(messages: list[dict], index: int) -> list[list[dict]]:
-    """The conversation without its assistant turns, cut after each user turn."""
-    turns, pending = [], []
-    for message in messages:
-        if message["role"] == "assistant":
-            continue
-        pending.append(message)
-        if message["role"] == "user":
-            turns.append(pending)
-            pending = []
-    if not turns:
-        raise DraftsmithError(f"conversation {index} has no user turn to answer")
-    return turns
-
-
-def stop_token_ids(target, tokenizer, chat_template: str | None = None, plain: bool = False) -> list[int]:
-    """Where a reply ends: the target's and tokenizer's end-of-text ids and the template's end of turn."""
-    ids = target.generation_config.eos_token_id
-    ids = set([ids] if isinstance(ids, int) else ids or [])
-    ids |= {tokenizer.eos_token_id} - {None}
-    if not plain:
-        ids |= set(end_of_turn_ids(tokenizer, chat_template))
-    return sorted(ids)
-
-
-@dataclass(frozen=True)
-class _Decoding:
-    template: str | None  # None: plain text
-    stop_ids: list[int]
-    pad_id: int
-    max_new_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float = 1.0  # 1: off
-    top_k: int = 0  # 0: off
-
-
 @torch.inference_mode()
-def _generate(target, tokenizer, prompts: list[str], how: _Decoding) -> list[str]:
+def _generate(target, tokenizer, prompts: list[str], indices: list[int], template: str | None,
+              how: Sampling) -> list[str]:
     # Left padding keeps every prompt's last token at the end, where generation continues.
     batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
-                      add_special_tokens=how.template is None).to(target.device)  # templates write their own BOS
+                      add_special_tokens=template is None).to(target.device)  # templates write their own BOS
+    _check_context(target, batch["attention_mask"].sum(dim=1).tolist(), indices, how.max_new_tokens)
     # Unset fields fall back to the model's generation_config, whose suggested top-k, top-p or
     # repetition penalty would change the distribution the drafters are later measured against.
     sampling = {"do_sample": how.temperature > 0, "repetition_penalty": 1.0}
     if how.temperature > 0:
         sampling |= {"temperature": how.temperature, "top_k": how.top_k, "top_p": how.top_p}
-    out = target.generate(**batch, max_new_tokens=how.max_new_tokens, eos_token_id=how.stop_ids,
+    out = target.generate(**batch, max_new_tokens=how.max_new_tokens, eos_token_id=list(how.stop_ids),
                           pad_token_id=how.pad_id, **sampling)
     replies = []
     for row in out[:, batch["input_ids"].shape[1]:].tolist():
@@ -90,58 +55,38 @@ def _generate(target, tokenizer, prompts: list[str], how: _Decoding) -> list[str
     return replies
 
 
-def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, how: _Decoding) -> list[list[dict]]:
-    """The conversations of one batch with every assistant turn written by the target."""
-    turns = [_user_turns(messages, first_index + k) for k, messages in enumerate(batch)]
-    histories: list[list[dict]] = [[] for _ in batch]
-    for t in range(max(len(conv) for conv in turns)):
-        active = [k for k, conv in enumerate(turns) if t < len(conv)]
-        for k in active:
-            histories[k] += turns[k][t]
-        prompts = [render_text(tokenizer, histories[k], how.template, add_generation_prompt=how.template is not None)
-                   for k in active]
-        _check_context(target, tokenizer, prompts, [first_index + k for k in active], how)
-        for k, reply in zip(active, _generate(target, tokenizer, prompts, how)):
-            histories[k].append({"role": "assistant", "content": reply})
-    return histories
-
-
-def _check_context(target, tokenizer, prompts: list[str], indices: list[int], how: _Decoding) -> None:
+def _check_context(target, lengths: list[int], indices: list[int], max_new_tokens: int) -> None:
     """Refuse a prompt the target cannot answer within its positions (it would run, slowly,
     into positions it never learned)."""
     context = getattr(target.config, "max_position_embeddings", None)
     if not context:
         return
-    for index, text in zip(indices, prompts):
-        n = len(tokenizer(text, add_special_tokens=how.template is None)["input_ids"])
-        if n + how.max_new_tokens > context:
+    for index, n in zip(indices, lengths):
+        if n + max_new_tokens > context:
             raise DraftsmithError(f"conversation {index}: a prompt of {n} tokens with max_new_tokens="
-                                  f"{how.max_new_tokens} exceeds the target's context of {context}")
+                                  f"{max_new_tokens} exceeds the target's context of {context}")
 
 
-def _resume_point(partial: Path, batch_size: int, total: int) -> int:
-    """Records already in the partial file; the file is cut back to whole records of whole batches."""
-    if not partial.exists():
-        return 0
-    lines = partial.read_bytes().splitlines(keepends=True)
-    good = 0
-    for line in lines:
-        if not line.endswith(b"\n") or not _is_json(line):  # the line an interruption cut short
-            break
-        good += 1
-    # Whole batches only: a batch is generated (and, when sampling, seeded) as a unit.
-    done = good if good >= total else good - good % batch_size
-    with partial.open("r+b") as handle:
-        handle.truncate(sum(len(line) for line in lines[:done]))
-    return done
+def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, template: str | None,
+            how: Sampling) -> list[list[dict]]:
+    """The conversations of one batch with every assistant turn written by the target."""
+    turns = [user_turns(messages, first_index + k) for k, messages in enumerate(batch)]
+    histories: list[list[dict]] = [[] for _ in batch]
+    for t in range(max(len(conv) for conv in turns)):
+        active = [k for k, conv in enumerate(turns) if t < len(conv)]
+        for k in active:
+            histories[k] += turns[k][t]
+        prompts = [render_text(tokenizer, histories[k], template, add_generation_prompt=template is not None)
+                   for k in active]
+        replies = _generate(target, tokenizer, prompts, [first_index + k for k in active], template, how)
+        for k, reply in zip(active, replies):
+            histories[k].append({"role": "assistant", "content": reply})
+    return histories
 
 
-def _is_json(line: bytes) -> bool:
-    try:
-        json.loads(line)
-    except ValueError:
-        return False
-    return True
+def _rank_file(base: Path, rank: int, world: int) -> Path:
+    """The partial file process `rank` of `world` appends its batches to."""
+    return base if world == 1 else base.with_name(f"{base.name}.rank{rank}of{world}")
 
 
 def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path,
@@ -154,63 +99,51 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
     that temperature, restricted by `top_k` (0: off) and `top_p` (1: off), seeded per batch
     from `seed`, so the same seed gives the same file. `plain=True`
     prompts with the concatenated contents instead of the chat template (see data/chat.py).
-    `processes` (data/processes.py) deals the batches to the processes of a launch, each
+    `processes` (draftsmith/processes.py) deals the batches to the processes of a launch, each
     writing its own partial file; the main process merges them into `out_path`.
     """
     out_path = Path(out_path)
     if not conversations:
         raise DraftsmithError("regenerate: no conversations given")
-    if batch_size < 1 or max_new_tokens < 1 or temperature < 0:
-        raise DraftsmithError(f"regenerate: batch_size ({batch_size}) and max_new_tokens ({max_new_tokens}) "
-                              f"must be positive and temperature ({temperature}) not negative")
-    if not 0.0 < top_p <= 1.0 or top_k < 0:
-        raise DraftsmithError(f"regenerate: top_p ({top_p}) must be in (0, 1] and top_k ({top_k}) not negative")
+    if batch_size < 1:
+        raise DraftsmithError(f"regenerate: batch_size ({batch_size}) must be positive")
     template = None if plain else resolve_template(tokenizer, chat_template)
-    stop_ids = stop_token_ids(target, tokenizer, chat_template, plain)
+    stop_ids = stop_token_ids(target.generation_config, tokenizer, chat_template, plain)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    how = _Decoding(template, stop_ids, pad_id, max_new_tokens, temperature, top_p, top_k)
+    how = Sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_ids), pad_id)
+    for index, messages in enumerate(conversations):  # a bad record fails before a partial file exists
+        user_turns(messages, index)
     # The embedding sum tells a retrained target from the one that wrote an old partial file.
     weights = float(target.get_input_embeddings().weight.detach().double().sum())
-    settings = json.dumps([getattr(target, "name_or_path", ""), weights, conversations, max_new_tokens,
-                           temperature, seed, batch_size, template, top_p, top_k], sort_keys=True)
-    key = hashlib.sha256(settings.encode()).hexdigest()[:12]
-    partial = ensure_writable_dir(out_path.parent) / f".{out_path.name}.{key}.partial"
-
-    for index, messages in enumerate(conversations):  # a bad record fails before a partial file exists
-        _user_turns(messages, index)
+    base = partial_path(out_path, [getattr(target, "name_or_path", ""), weights, conversations, max_new_tokens,
+                                   temperature, seed, batch_size, template, top_p, top_k])
     procs = processes or Processes()
-    starts = [s for s in range(0, len(conversations), batch_size) if procs.mine(s // batch_size)]
-    mine = sum(len(conversations[s:s + batch_size]) for s in starts)
-    if procs.world > 1:
-        partial = partial.with_name(f"{partial.name}.rank{procs.rank}of{procs.world}")
-    done = _resume_point(partial, batch_size, mine)
-    # Whole batches are done, or all of this process's (its last batch may be short).
-    todo = starts[len(starts) if done >= mine else done // batch_size:]
-    try:
-        _append_batches(target, tokenizer, conversations, partial, done, how, seed, batch_size, todo, mine,
+    total = len(conversations)
+    starts = [s for s in range(0, total, batch_size) if procs.mine(s // batch_size)]
+    mine = sum(min(batch_size, total - s) for s in starts)
+    partial = _rank_file(base, procs.rank, procs.world)
+    with resuming(partial, batch_size, mine) as done:
+        # Whole batches are done, or all of this process's (its last batch may be short).
+        todo = starts[len(starts) if done >= mine else done // batch_size:]
+        _append_batches(target, tokenizer, conversations, partial, done, template, how, batch_size, todo, mine,
                         show=procs.main)
-    except BaseException:
-        if partial.exists() and partial.stat().st_size == 0:  # nothing to resume: leave nothing behind
-            partial.unlink()
-        raise
     if procs.world == 1:
         os.replace(partial, out_path)
         return out_path
     procs.barrier()
     if procs.main:
-        sizes = [len(conversations[s:s + batch_size]) for s in range(0, len(conversations), batch_size)]
-        _merge_processes(partial, procs.world, sizes, out_path)
+        _merge_processes(base, procs.world, batch_size, total, out_path)
     procs.barrier()
     return out_path
 
 
-def _merge_processes(partial: Path, world: int, batch_sizes: list[int], out_path: Path) -> None:
+def _merge_processes(base: Path, world: int, batch_size: int, total: int, out_path: Path) -> None:
     """The processes' partial files as one, batch b taken from process b % world."""
-    parts = [partial.with_name(partial.name.replace(f".rank0of{world}", f".rank{r}of{world}")) for r in range(world)]
+    parts = [_rank_file(base, r, world) for r in range(world)]
     lines = [part.read_bytes().splitlines(keepends=True) for part in parts]
     taken, merged = [0] * world, []
-    for b, size in enumerate(batch_sizes):
-        r = b % world
+    for b, start in enumerate(range(0, total, batch_size)):
+        r, size = b % world, min(batch_size, total - start)
         merged += lines[r][taken[r]:taken[r] + size]
         taken[r] += size
     if taken != [len(part) for part in lines]:
@@ -222,15 +155,15 @@ def _merge_processes(partial: Path, world: int, batch_sizes: list[int], out_path
         part.unlink()
 
 
-def _append_batches(target, tokenizer, conversations, partial: Path, done: int, how: _Decoding, seed: int,
-                    batch_size: int, starts: list[int], total: int, show: bool = True) -> None:
+def _append_batches(target, tokenizer, conversations, partial: Path, done: int, template: str | None,
+                    how: Sampling, batch_size: int, starts: list[int], total: int, show: bool = True) -> None:
     with partial.open("a", encoding="utf-8") as handle, \
             tqdm(total=total, initial=done, desc="regenerate", unit="conv", disable=not show) as bar:
         for start in starts:
             batch = conversations[start:start + batch_size]
             with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
-                torch.manual_seed(seed + start)
-                answered = _answer(target, tokenizer, batch, start, how)
+                torch.manual_seed(how.seed + start)
+                answered = _answer(target, tokenizer, batch, start, template, how)
             handle.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in answered))
             handle.flush()
             os.fsync(handle.fileno())
@@ -250,9 +183,9 @@ def regenerate_command(target: str, dataset: str | None, out: str, max_new_token
     answer; else every process of an `accelerate launch` answers its share.
     """
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.processes import current_processes
     from draftsmith.data.tokenizer import load_pretrained_tokenizer
     from draftsmith.models.target import load_target
+    from draftsmith.processes import current_processes
 
     tokenizer = load_pretrained_tokenizer(target)
     if dataset:

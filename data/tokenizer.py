@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.fsutil import atomic_dir
 
 EOS, IM_START, IM_END, PAD, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|mask|>"
@@ -86,6 +86,4 @@ def load_pretrained_tokenizer(source: str | Path, what: str = "target"):
     try:
         return AutoTokenizer.from_pretrained(text)
     except Exception as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
-        raise DraftsmithError(f"cannot load the tokenizer of {what} {source}: "
-                              f"{' '.join(lines) or type(exc).__name__}") from None
+        raise DraftsmithError(f"cannot load the tokenizer of {what} {source}: {first_lines(exc)}") from None

@@ -14,6 +14,11 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.registry import METHODS, export_formats, posthoc, proposer_names
 
 
+def pick(flag, default):
+    """A flag given on the command line (not None), else the recipe's (or built-in) value."""
+    return default if flag is None else flag
+
+
 def _train(args) -> int | None:
     from draftsmith.recipe import load_recipe
 
@@ -48,7 +53,6 @@ def _eval(args) -> None:
 
     # A recipe's `eval` section gives the defaults; flags on the command line win.
     defaults = load_recipe(args.recipe).eval if args.recipe else EvalSection()
-    pick = lambda flag, default: default if flag is None else flag  # noqa: E731
     num_draft = pick(args.num_draft, defaults.num_draft)
     settings = EvalSettings(
         dataset=args.dataset, num_prompts=pick(args.num_prompts, defaults.num_prompts),
@@ -76,24 +80,25 @@ def _proposer_options(args) -> dict[str, dict]:
 def _regenerate(args) -> None:
     from draftsmith.data.regenerate import regenerate_command
     from draftsmith.models.target import resolve_model_dir
-    from draftsmith.recipe import DataSection, load_recipe
+    from draftsmith.recipe import Recipe, load_recipe
 
-    # A recipe names the target, the dataset and the servers; flags win over it.
-    recipe = load_recipe(args.recipe) if args.recipe else None
-    data = recipe.data if recipe else DataSection()
-    target = args.target or (recipe.target.path if recipe else "")
+    # A recipe gives the target, the dataset, the servers and the sampling; flags win over it.
+    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
+    data = recipe.data
+    target = pick(args.target, recipe.target.path)
     if not target:
         raise DraftsmithError("data regenerate: give --target (or a --recipe with target.path)")
-    dataset = args.dataset or (data.dataset if data.dataset != "embedded" else None)
-    from_recipe = args.dataset is None
+    dataset = pick(args.dataset, data.dataset if data.dataset != "embedded" else None)
     out = regenerate_command(str(resolve_model_dir(target)), dataset, args.out,
-                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             batch_size=args.batch_size, limit=args.limit, seed=args.seed,
-                             top_p=args.top_p, top_k=args.top_k, servers=args.server or data.regen_servers,
-                             in_flight=args.in_flight or data.regen_in_flight, target_name=target,
-                             dataset_config=args.dataset_config or data.dataset_config,
-                             dataset_split=args.dataset_split or data.dataset_split,
-                             columns=data.columns if from_recipe else None)
+                             max_new_tokens=pick(args.max_new_tokens, data.regen_max_new_tokens),
+                             temperature=pick(args.temperature, data.regen_temperature),
+                             top_p=pick(args.top_p, data.regen_top_p), top_k=pick(args.top_k, data.regen_top_k),
+                             seed=pick(args.seed, recipe.train.seed), batch_size=args.batch_size, limit=args.limit,
+                             servers=pick(args.server, data.regen_servers),
+                             in_flight=pick(args.in_flight, data.regen_in_flight), target_name=target,
+                             dataset_config=pick(args.dataset_config, data.dataset_config),
+                             dataset_split=pick(args.dataset_split, data.dataset_split),
+                             columns=data.columns if args.dataset is None else None)
     print(f"wrote {out}")
 
 
@@ -149,6 +154,14 @@ def _version() -> str:
         return version("draftsmith")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
+
+
+def _recipe_default(key: str) -> str:
+    """An unset flag's default: the --recipe's `key`, else the built-in recipe's value."""
+    from draftsmith.recipe import Recipe
+
+    section, name = key.split(".")
+    return f"(default: the recipe's {key}, else {getattr(getattr(Recipe(), section), name)!r})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,29 +236,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default=None,
                    help="conversations jsonl, a dataset folder or hub name (default: the recipe's, else "
                         "embedded corpus prompts)")
-    p.add_argument("--dataset-config", default="",
+    p.add_argument("--dataset-config", default=None,
                    help="config of a dataset folder or hub dataset (default: the recipe's data.dataset_config, "
                         "else the dataset's default)")
-    p.add_argument("--dataset-split", default="",
-                   help="split of a dataset folder or hub dataset (default: the recipe's data.dataset_split, train)")
+    p.add_argument("--dataset-split", default=None,
+                   help="split of a dataset folder or hub dataset " + _recipe_default("data.dataset_split"))
     p.add_argument("--recipe", default=None,
-                   help="take the target, dataset (with data.columns) and data.regen_servers from this recipe "
-                        "(default: none)")
+                   help="take the target, dataset (with data.columns), servers and sampling settings from this "
+                        "recipe's target, data and train.seed (default: none)")
     p.add_argument("--server", action="append", default=None, metavar="URL",
                    help="an OpenAI-compatible server serving the target (vLLM, SGLang, TGI, transformers "
                         "serve); repeatable; the target is then not loaded here (default: the recipe's "
                         "data.regen_servers, else none: in-process)")
     p.add_argument("--in-flight", type=int, default=None,
-                   help="requests in flight per server (default: the recipe's data.regen_in_flight, 16)")
+                   help="requests in flight per server " + _recipe_default("data.regen_in_flight"))
     p.add_argument("--out", required=True, help="the jsonl to write (OpenAI messages shape)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer the target writes")
-    # Sampled by default, as the references regenerate (DSpark's data: 0.7 / 0.8 / 20).
-    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy; above 0: sampled (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.8, help="nucleus mass when sampling (default 0.8; 1: off)")
-    p.add_argument("--top-k", type=int, default=20, help="likeliest tokens kept when sampling (default 20; 0: off)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="longest answer the target writes " + _recipe_default("data.regen_max_new_tokens"))
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy; above 0: sampled " + _recipe_default("data.regen_temperature"))
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass when sampling; 1: off "
+                   + _recipe_default("data.regen_top_p"))
+    p.add_argument("--top-k", type=int, default=None, help="likeliest tokens kept when sampling; 0: off "
+                   + _recipe_default("data.regen_top_k"))
     p.add_argument("--batch-size", type=int, default=8, help="prompts answered per generate call")
     p.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of sampled answers")
+    p.add_argument("--seed", type=int, default=None, help="seed of sampled answers " + _recipe_default("train.seed"))
     p.set_defaults(handler=_regenerate)
 
     p = data.add_parser("cache-hidden", help="store the target features a post-hoc method trains on, once "

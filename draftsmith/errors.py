@@ -8,3 +8,10 @@ it as a single line and exits with status 2; tracebacks are for our bugs, not th
 
 class DraftsmithError(Exception):
     """Bad input, reported to the user as one line."""
+
+
+def first_lines(exc: BaseException, count: int = 2) -> str:
+    """The first `count` non-blank lines of a library's error, joined into one (its type's
+    name when it has no message): enough to name the problem without its traceback."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:count]
+    return " ".join(lines) or type(exc).__name__

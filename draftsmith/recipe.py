@@ -25,7 +25,8 @@ from draftsmith.registry import config_class
 @dataclass
 class TargetSection:
     path: str = option("", 'A folder or hub name of a frozen target. Empty: the tiny target, built from the fields below (the mtp recipe pretrains it; others need a path).')
-    arch: str = option("llama", "tiny target architecture: llama or qwen3")
+    arch: str = option("llama", "tiny target architecture: llama or qwen3 (the toolkit's own), or another family "
+                                "of models/tiny_archs.py (qwen2, mistral, gemma, mixtral, phi, deepseek_v3, ...)")
     num_layers: int = option(8, "tiny target: decoder layers")
     hidden_size: int = option(256, "tiny target: hidden width")
     num_heads: int = option(8, "tiny target: query heads")

@@ -67,7 +67,9 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
         exports={"sglang": "draftsmith.models.export_eagle3:export_sglang",
                  "vllm": "draftsmith.models.export_eagle3:export_vllm", "native": _NATIVE_EXPORT},
-        variants={"eagle3_tree": {"tree": True}},
+        variants={"eagle3_tree": {"tree": True},
+                  # EAGLE-2 as published: top-k children under sampling too (an ablation)
+                  "eagle3_tree_topk": {"tree": True, "sampled_children": False}},
         foreign_layouts={"LlamaForCausalLMEagle3": "sglang/vllm"},  # SpecForge writes it too
     ),
     MethodSpec(

@@ -148,6 +148,7 @@ class DecodeState:
     stats: DecodeStats
     started: float = 0.0  # perf_counter at the start of the prefill
     done: bool = False
+    tree_checked: bool = False  # the cache's layers cannot change within a sequence: check once
 
 
 class _TreeMask:
@@ -379,7 +380,9 @@ class SpeculativeDecoder:
             if self._compiled is not None:
                 return self._verify_compiled(state, inputs), None
             return target_forward(self.target, inputs, cache=state.cache, capture=self._capture), None
-        self._check_tree_support(state.cache)
+        if not state.tree_checked:
+            self._check_tree_support(state.cache)
+            state.tree_checked = True
         prefix = cache_length(state.cache)
         depth, ancestors, children = _tree_layout(parents.tolist())
         width = None if self.cache_kind == "dynamic" else state.cache.get_max_length()

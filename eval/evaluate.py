@@ -20,6 +20,7 @@ from draftsmith.eval.report import (
     check_report_dest,
     distinct_4gram_ratio,
     format_table,
+    setting_label,
     setting_name,
     speedup_bound,
     write_index,
@@ -142,13 +143,9 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     else:
         with atomic_dir(out_dir) as tmp:
             for results in runs:
-                write_report(results, tmp / _label(results))
-            write_index([(_label(r), r) for r in runs], tmp)
+                write_report(results, tmp / setting_label(results))
+            write_index([(setting_label(r), r) for r in runs], tmp)
     return runs
-
-
-def _label(results: dict) -> str:
-    return f"t{results['settings']['temperature']:g}"
 
 
 def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingParams, num_draft: int) -> dict:

@@ -65,6 +65,11 @@ def distinct_4gram_ratio(outputs: list[list[int]]) -> float:
     return sum(ratios) / len(ratios) if ratios else float("nan")
 
 
+def setting_label(results: dict) -> str:
+    """The folder name of one setting's report: t0, t0.7, ..."""
+    return f"t{results['settings']['temperature']:g}"
+
+
 def setting_name(settings: dict) -> str:
     """"greedy", or the sampling settings that are in effect."""
     if settings["temperature"] == 0:

@@ -64,6 +64,19 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, generator=None) -> tupl
     return sample(q, generator), q
 
 
+def draw_without_replacement(q: torch.Tensor, k: int, generator=None) -> tuple[list[int], torch.Tensor]:
+    """Up to `k` distinct tokens drawn from q [V] in turn (Gumbel top-k; fewer when q has
+    fewer tokens), and per token the distribution it was drawn from [m, V]: q without the
+    tokens drawn before it, renormalised, which multi-draft rejection sampling needs."""
+    u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-20, 1.0)
+    keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q is 0
+    tokens = keys.topk(min(k, int((q > 0).sum()))).indices
+    rows = q.expand(len(tokens), -1).clone()
+    for i in range(1, len(tokens)):
+        rows[i:, tokens[i - 1]] = 0.0
+    return tokens.tolist(), rows / rows.sum(-1, keepdim=True)
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)); p itself when the residual is all zero (p == q), never NaN.
 

@@ -94,12 +94,6 @@ def below_threshold(confidence_logits: torch.Tensor, threshold: float) -> torch.
     return confidence_logits.float().sigmoid() < threshold
 
 
-def confident_prefix_length(confidence_logits: torch.Tensor, threshold: float) -> int:
-    """Drafts kept of one block [n]: those before the first position below the threshold."""
-    below = below_threshold(confidence_logits, threshold).nonzero()
-    return int(below[0, 0]) if len(below) else int(confidence_logits.shape[0])
-
-
 class MarkovHead(nn.Module):
     """Low-rank first-order logit bias W2(W1[x_prev]); names as DeepSpec's VanillaMarkov."""
 
@@ -185,13 +179,14 @@ class DSparkDrafter(DFlashDrafter):
         hidden [B, n, H] and base_logits [B, n, V] of the prediction slots, anchor [B].
         `pick(logits [B, V], k) -> tokens [B]` chooses draft k (argmax, a sample, or the
         true token when teacher forcing). Stops before the first draft whose own
-        confidence is below `min_confidence` in every row (`confident_prefix_length`'s
-        rule, applied as the drafts are drawn; 0: never stops).
+        confidence is below `min_confidence` in every row (DeepSpec's rule, applied as the
+        drafts are drawn; 0: never stops).
         Returns tokens [B, m], refined logits [B, m, V], confidence logits [B, m], m <= n."""
         prev, tokens, logits, confidence = anchor, [], [], []
         for k in range(hidden.shape[1]):
             conf = self.confidence_logits(hidden[:, k], prev)
-            if bool(below_threshold(conf, min_confidence).all()):
+            # the threshold test reads the device; at 0 (the default) it never stops
+            if min_confidence > 0 and bool(below_threshold(conf, min_confidence).all()):
                 break
             step = self.refined_logits(base_logits[:, k], prev, refiner)
             prev = pick(step, k)

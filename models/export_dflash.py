@@ -63,7 +63,6 @@ DFLASH_ARCH = "DFlashDraftModel"
 DSPARK_ARCH = "DSparkDraftModel"
 DEEPSPEC_ARCH = "Qwen3DSparkModel"
 MODELING_FILE = "modeling_draftsmith.py"  # models/zlab_modeling.py, as it is
-_TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")  # DeepSpec stores the target's
 
 
 # ---------------------------------------------------------------- writing
@@ -96,14 +95,12 @@ def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
         raise DraftsmithError("export_dflash_zlab: this is a DSpark drafter (its block convention and heads "
                               "would be lost); export it with export_dspark_specforge")
     config = _backbone_config(drafter, DFLASH_ARCH)
-    config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.{DFLASH_ARCH}"}
     return _write(out_dir, config, drafter.state_dict(), modeling=True)
 
 
 def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path) -> Path:
     c = _check_dspark(drafter, "SpecForge")
     config = _backbone_config(drafter, DSPARK_ARCH)
-    config["auto_map"] = {"AutoModel": f"{MODELING_FILE[:-3]}.{DSPARK_ARCH}"}
     config["dflash_config"].update(
         projector_type="dspark", markov_rank=c.markov_rank, markov_head_type="vanilla",
         enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=c.bce_weight,
@@ -118,8 +115,7 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target) 
     if c.num_target_layers - 1 in c.target_layer_ids:
         raise DraftsmithError(f"target_layer_ids {c.target_layer_ids} include the target's last layer "
                               f"({c.num_target_layers - 1}), which DeepSpec's evaluator refuses")
-    shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
-              "lm_head.weight": target.get_output_embeddings().weight}
+    shared = _target_copies(target)
     for name, tensor in shared.items():
         if tuple(tensor.shape) != (c.vocab_size, c.hidden_size):
             raise DraftsmithError(f"the target's {name} has shape {tuple(tensor.shape)}; this drafter needs "
@@ -171,7 +167,11 @@ def _backbone_config(drafter: DFlashDrafter, arch: str) -> dict:
 
 
 def _write(out_dir, config: dict, state: dict, modeling: bool = False) -> Path:
+    """`modeling`: our modeling file goes beside the weights, and `auto_map` points
+    AutoModel at the config's architecture in it."""
     out_dir = Path(out_dir)
+    if modeling:
+        config = {**config, "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{config['architectures'][0]}"}}
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -199,17 +199,8 @@ def load_any(path: str | Path, method: str = "dflash", target=None) -> DFlashDra
     return DSparkDrafter.from_native(_dspark_config(meta, path), weights, source=str(path))
 
 
-def load_dflash_zlab(path: str | Path) -> DFlashDrafter:
-    return load_any(path, "dflash")
-
-
-def load_dspark(path: str | Path, target=None) -> DSparkDrafter:
-    return load_any(path, "dspark", target)
-
-
 def _dspark_config(meta: dict, path) -> DSparkConfig:
-    nested = meta.get("dflash_config") or {}
-    setting = lambda key, default=None: nested.get(key, meta.get(key, default))  # noqa: E731
+    setting = lambda key, default=None: _key(meta, key, path, default)  # noqa: E731
     if (setting("markov_head_type", "vanilla") != "vanilla" or not int(setting("markov_rank", 0) or 0)
             or not setting("enable_confidence_head", True) or not setting("confidence_head_with_markov", True)):
         raise DraftsmithError(f"{path}/config.json: only DSpark with a vanilla Markov head (markov_rank > 0) and a "
@@ -227,16 +218,22 @@ def _dspark_config(meta: dict, path) -> DSparkConfig:
     )
 
 
+def _target_copies(target) -> dict[str, torch.Tensor]:
+    """The target's tensors DeepSpec's layout stores beside the drafter's, by its names."""
+    return {"embed_tokens.weight": target.get_input_embeddings().weight,
+            "lm_head.weight": target.get_output_embeddings().weight}
+
+
 def _drop_target_copies(weights: dict, target, path) -> None:
     """DeepSpec's copies of the target's embedding and head: checked against the target
     when there is one, then dropped (we draft with the target's own)."""
-    for name in _TARGET_COPIES:
+    owns = _target_copies(target) if target is not None else dict.fromkeys(("embed_tokens.weight", "lm_head.weight"))
+    for name, own in owns.items():
         stored = weights.pop(name, None)
         if stored is None:
             raise DraftsmithError(f"{path}/model.safetensors: no {name} (DeepSpec's layout stores the target's)")
-        if target is None:
+        if own is None:
             continue
-        own = (target.get_input_embeddings() if name.startswith("embed") else target.get_output_embeddings()).weight
         if stored.shape != own.shape:
             raise DraftsmithError(f"{path}: {name} has shape {tuple(stored.shape)}, the target's "
                                   f"{tuple(own.shape)}: this drafter was trained for another target")
@@ -244,11 +241,16 @@ def _drop_target_copies(weights: dict, target, path) -> None:
             warnings.warn(f"{path}: {name} differs from the target's; drafting uses the target's", stacklevel=3)
 
 
-def _key(meta: dict, key: str, path):
-    nested = meta.get("dflash_config") or {}
-    value = nested.get(key, meta.get(key))
+_REQUIRED = object()
+
+
+def _key(meta: dict, key: str, path, default=_REQUIRED):
+    """A setting from `dflash_config` (SpecForge, z-lab) or the top level (DeepSpec)."""
+    value = (meta.get("dflash_config") or {}).get(key, meta.get(key))
     if value is None:
-        raise DraftsmithError(f"{path}/config.json: no {key}")
+        if default is _REQUIRED:
+            raise DraftsmithError(f"{path}/config.json: no {key}")
+        return default
     return value
 
 
@@ -266,6 +268,6 @@ def _backbone_fields(meta: dict, path) -> dict:
         max_position_embeddings=meta.get("max_position_embeddings", 32768),
         block_size=_key(meta, "block_size", path), allow_large_block=True,  # sized when it was trained
         # Absent: the readers' default spread over the target, which DFlashConfig computes the same way.
-        target_layer_ids=(meta.get("dflash_config") or {}).get("target_layer_ids", meta.get("target_layer_ids")),
+        target_layer_ids=_key(meta, "target_layer_ids", path, None),
         mask_token_id=_key(meta, "mask_token_id", path),
     )

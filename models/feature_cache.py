@@ -30,6 +30,7 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_file, ensure_writable_dir, read_json, write_json
+from draftsmith.processes import Processes
 
 FORMAT = "draftsmith-feature-cache/1"
 DTYPE = torch.bfloat16
@@ -169,7 +170,7 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
     `identity` (JSON) says what the features are and whose; the manifest records it, and a
     restart must bring the same (with the same rows) to resume, else it is refused.
     `shard_rows` 0 sizes shards to about SHARD_BYTES. Prints the disk size before starting.
-    `processes` (data/processes.py: rank, world, barrier) deals the shards round-robin to the
+    `processes` (draftsmith/processes.py: rank, world, barrier) deals the shards round-robin to the
     processes of a launch; the main one writes the rows and the manifest and, once every
     shard is there, marks the cache complete. A shard is the same whoever computes it.
     """
@@ -196,20 +197,20 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
         manifest["shards"] = [{"file": f"shard-{i // per:05d}.safetensors", "rows": [i, min(i + per, n)]}
                               for i in range(0, n, per)]
     per_position = " + ".join(f"{v.numel() // seq_len} {k} x {v.element_size()} B" for k, v in probe.items())
-    rank, world = (processes.rank, processes.world) if processes is not None else (0, 1)
-    if rank == 0:
+    processes = processes or Processes()
+    if processes.main:
         print(f"feature cache: {n} rows x {seq_len} positions x ({per_position}) = {_human(n * row_bytes)} "
               f"in {len(manifest['shards'])} shard(s) -> {out}", flush=True)
         if not (out / ROWS).is_file():
             with atomic_file(out / ROWS, "wb") as f:
                 f.write(save({k: v.contiguous() for k, v in tokens.items()}))
         write_json(out / MANIFEST, {**manifest, "complete": False})
-    mine = [s for i, s in enumerate(manifest["shards"]) if i % world == rank]
+    mine = [s for i, s in enumerate(manifest["shards"]) if processes.mine(i)]
     todo = [s for s in mine if not (out / s["file"]).is_file()]
     total = sum(b - a for a, b in (s["rows"] for s in mine))
     done = total - sum(b - a for a, b in (s["rows"] for s in todo))
     with tqdm(total=total, initial=done, desc="cache features", unit="row", dynamic_ncols=True,
-              disable=rank != 0) as bar:
+              disable=not processes.main) as bar:
         for shard in todo:
             start, stop = shard["rows"]
             tensors = {k: torch.empty(stop - start, *v.shape[1:], dtype=v.dtype) for k, v in probe.items()}
@@ -221,16 +222,14 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
                 bar.update(b - a)
             with atomic_file(out / shard["file"], "wb") as f:
                 f.write(save(tensors))
-    if world > 1:
-        processes.barrier()
-    if rank == 0:
+    processes.barrier()
+    if processes.main:
         missing = [s["file"] for s in manifest["shards"] if not (out / s["file"]).is_file()]
         if missing:  # another process failed, or does not see this folder
             raise DraftsmithError(f"{out}: {len(missing)} shard(s) missing after every process finished "
                                   f"({missing[0]} ...); rerun to resume")
         write_json(out / MANIFEST, {**manifest, "complete": True})
-    if world > 1:
-        processes.barrier()
+    processes.barrier()
     return out
 
 

@@ -153,8 +153,10 @@ def causal_mask(attn_implementation: str | None, rows: int, past: int, like: tor
     """Additive [1, 1, rows, past + rows] mask: new row i sees the `past` cached rows and
     new rows 0..i. Given explicitly because transformers' eager attention reads a missing
     mask as full attention (only SDPA and the flash kernels assume causal); the flash
-    kernels take causality from the layer's `is_causal` and no dense mask (None here)."""
-    if rows <= 1 or (attn_implementation or "").startswith("flash"):
+    kernels take causality from the layer's `is_causal` and no dense mask (None here), and
+    so does SDPA without a cache, where no mask lets it pick its fused causal kernel."""
+    impl = attn_implementation or ""
+    if rows <= 1 or impl.startswith("flash") or (impl == "sdpa" and past == 0):
         return None
     mask = torch.full((rows, past + rows), torch.finfo(like.dtype).min, dtype=like.dtype, device=like.device)
     return mask.triu(past + 1)[None, None]

@@ -28,7 +28,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
+from draftsmith.models.tile import as_dict, kv_heads
 
 
 @dataclass
@@ -50,13 +51,8 @@ class TargetShape:
 
 
 # Configs spell the same figure differently (GPT-2 `n_inner`, OPT `ffn_dim`, Falcon
-# `ffn_hidden_size`; Falcon `num_kv_heads`); transformers' attribute_map covers only some.
-_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads")
+# `ffn_hidden_size`); transformers' attribute_map covers only some. KV heads: tile.kv_heads.
 _FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-
-
-def _first(config, keys):
-    return next((v for v in (getattr(config, k, None) for k in keys) if v is not None), None)
 
 
 def target_shape(config) -> TargetShape:
@@ -69,9 +65,10 @@ def target_shape(config) -> TargetShape:
         hidden_size=config.hidden_size,
         vocab_size=config.vocab_size,
         num_heads=heads,
-        num_kv_heads=_first(config, _KV_HEAD_KEYS) or heads,
+        num_kv_heads=kv_heads(as_dict(config), heads),
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate_size=_first(config, _FFN_KEYS) or 4 * config.hidden_size,
+        intermediate_size=next((v for v in (getattr(config, k, None) for k in _FFN_KEYS) if v is not None),
+                               4 * config.hidden_size),
     )
 
 
@@ -173,31 +170,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.get_submodule(_layer_path(model))
 
 
-def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(m).__name__.lower()
-
-
-def final_norm(model: nn.Module) -> nn.Module:
-    """The norm between the last decoder layer and the head, in the module that holds the
-    layers: the pipeline plan's last stage when it is a norm, else the one norm registered
-    after the layers (Bloom has one before them too), else the only norm (OPT registers its
-    final norm first). Post-norm models (BERT-style, GPT-1, Marian) have none: one line."""
-    path = _layer_path(model)
-    holder = model.get_submodule(path.rpartition(".")[0])
-    plan = _pp_plan(model)
-    last = getattr(holder, plan[-1], None) if plan else None
-    if isinstance(last, nn.Module) and _is_norm(last):
-        return last
-    children = list(holder.children())
-    at = next((i for i, m in enumerate(children) if m is model.get_submodule(path)), len(children))
-    for group in (children[at + 1:], children):
-        norms = [m for m in group if _is_norm(m)]
-        if len(norms) == 1:
-            return norms[0]
-    raise DraftsmithError(f"target {type(model).__name__}: no final norm found beside its decoder layers "
-                          f"in {type(holder).__name__}")
-
-
 def rotary_embedding(model: nn.Module) -> nn.Module:
     """The decoder's shared rotary embedding (Llama family: `rotary_emb`)."""
     rotary = getattr(decoder_module(model), "rotary_emb", None)
@@ -292,28 +264,14 @@ def new_cache(model: nn.Module, rollback: int = 1):
     Sliding-window and linear-attention layers drop rows past their window (or kernel) as
     they go, which a rejected draft's crop could then not undo; told to record their past,
     they keep those rows until the next `crop_cache`. A recurrent state (Mamba, gated
-    delta-net) cannot be recomputed backwards: transformers >= 5.25 keeps the states after
-    each of a forward's last `rollback` tokens, so a verify of 1 + D tokens needs
-    `rollback >= 1 + D`. Older versions keep none, and such a target is refused here.
+    delta-net) cannot be recomputed backwards: transformers (>= 5.25, the floor) keeps the
+    states after each of a forward's last `rollback` tokens, so a verify of 1 + D tokens
+    needs `rollback >= 1 + D`.
     """
-    import transformers
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
-    for layer in cache.layers:
-        record = getattr(layer, "activate_past_recording", None)  # transformers >= 5.x where they exist
-        if record is None:
-            continue
-        if "recurrent_states_to_keep" in inspect.signature(record).parameters:
-            record(recurrent_states_to_keep=max(1, int(rollback)))
-        else:
-            record()
-    try:
-        cache.get_seq_length()
-    except ValueError:  # only recurrent layers (Mamba) in a transformers that cannot roll them back
-        raise DraftsmithError(f"target {type(model).__name__} keeps a recurrent state that this transformers "
-                              f"({transformers.__version__}) cannot roll back past rejected drafts; transformers "
-                              ">= 5.25 can") from None
+    cache.activate_past_recording(recurrent_states_to_keep=max(1, int(rollback)))
     return cache
 
 
@@ -335,9 +293,8 @@ def new_static_cache(model: nn.Module, max_len: int):
         raise DraftsmithError(f"a static target cache needs a masked attention (sdpa or eager), "
                               f"not attn_implementation={impl!r}")
     cache = StaticCache(config=model.config, max_cache_len=int(max_len))
-    if any(cache.is_sliding) or not all(hasattr(layer, "cumulative_length") for layer in cache.layers):
-        raise DraftsmithError("a static target cache needs full-attention layers and a transformers whose "
-                              "StaticCache keeps its own write position (5.24 is tested); use the dynamic cache")
+    if any(cache.is_sliding):
+        raise DraftsmithError("a static target cache needs full-attention layers; use the dynamic cache")
     return cache
 
 
@@ -368,17 +325,22 @@ def crop_cache(cache, keep: int) -> None:
     drop = cache.get_seq_length() - keep
     if drop < 0:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
-    if drop and not getattr(cache, "is_croppable", True):
-        raise DraftsmithError("this target's cache cannot be rolled back past rejected drafts (it keeps a recurrent "
-                              "state, as Mamba and linear-attention layers do, and this transformers keeps no past states); "
-                              "use transformers >= 5.25 or decode it without drafts")
+    if drop:
+        _check_rollback(cache, drop)
+    cache.crop(-drop)  # crop(0) too: it trims the rows that recording layers kept past their window
+
+
+def _check_rollback(cache, drop: int) -> None:
+    """Refuse a crop of `drop` tokens that the cache cannot undo exactly."""
+    if not getattr(cache, "is_croppable", True):
+        raise DraftsmithError("this target's cache cannot be rolled back past rejected drafts; "
+                              "decode it without drafts")
     for layer in cache.layers:
         history = getattr(layer, "recurrent_states_history", {}).get(0)
-        if drop and history is not None and layer.is_recurrent_states_initialized[0] and drop > len(history):
+        if history is not None and layer.is_recurrent_states_initialized[0] and drop > len(history):
             # transformers would restore a state from before the tokens it should keep
             raise ValueError(f"cannot roll a recurrent state back {drop} tokens: the cache kept {len(history)} "
                              "(new_cache's `rollback` sizes it)")
-    cache.crop(-drop)  # crop(0) too: it trims the rows that recording layers kept past their window
 
 
 def tree_cache_problem(cache) -> str | None:
@@ -488,8 +450,8 @@ class CompiledVerify:
             logits, hidden = self._graph(self.model, self.recorder, self.capture, cache_kwarg(self.model),
                                          input_ids, position_ids, attention_mask, cache)
         except torch._dynamo.exc.Unsupported as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DraftsmithError(f"torch.compile cannot capture this target's verify in one graph ({first}); "
+            raise DraftsmithError(f"torch.compile cannot capture this target's verify in one graph "
+                                  f"({first_lines(exc, 1)}); "
                                   "run without compile") from None
         finally:
             self.recorder.active = False
@@ -578,8 +540,7 @@ def load_target(path: str | Path, dtype: str = "auto", device: str | torch.devic
     # validation error, safetensors' error on a truncated file, a KeyError on an unknown
     # model_type) is about the user's files: name the folder and the first lines.
     except Exception as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
-        raise DraftsmithError(f"cannot load target {path}: {' '.join(lines) or type(exc).__name__}") from None
+        raise DraftsmithError(f"cannot load target {path}: {first_lines(exc)}") from None
     if device is not None:
         model.to(device)
     return freeze(model) if frozen else model

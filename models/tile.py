@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.fsutil import read_json
 
 # GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`,
@@ -45,15 +45,14 @@ def has_heads(config: dict) -> bool:
 def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
     """Size the draft for `config` (a dict or a transformers config) on a verify kernel
     with `tile` rows at tensor parallel `tp`."""
-    if not isinstance(config, dict):
-        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    config = as_dict(config)
     if tile < 1 or tp < 1:
         raise DraftsmithError(f"tile ({tile}) and tp ({tp}) must be positive")
     heads = next((config[key] for key in _HEAD_KEYS if config.get(key)), None)
     if heads is None:
         raise DraftsmithError("config has no num_attention_heads")
     mla = config.get("kv_lora_rank") is not None
-    kv = 1 if mla else _kv_heads(config, heads)  # MLA: one latent vector per token for all heads
+    kv = 1 if mla else kv_heads(config, heads)  # MLA: one latent vector per token for all heads
     if kv < 1 or heads % kv:
         raise DraftsmithError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
@@ -67,7 +66,14 @@ def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
     return TilePlan(H=heads, KV=kv, G=group, tile=tile, tp=tp, D=max(0, tile // group - 1), mla=mla)
 
 
-def _kv_heads(config: dict, heads: int) -> int:
+def as_dict(config) -> dict:
+    """A config's fields as a dict, whether given a dict or a transformers config."""
+    if isinstance(config, dict):
+        return config
+    return config.to_dict() if hasattr(config, "to_dict") else vars(config)
+
+
+def kv_heads(config: dict, heads: int) -> int:
     """KV heads as each family spells them. Falcon follows its attention code: `num_kv_heads`
     (`n_head_kv` in the original configs) counts only under `new_decoder_architecture` or
     without `multi_query`; `multi_query` alone (Falcon-7B, GPT-BigCode) is one KV head.
@@ -128,7 +134,7 @@ def _cached_hub_config(name: str) -> dict:
         cached = try_to_load_from_cache(name, "config.json")
         if isinstance(cached, str):
             return read_json(cached)
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = first_lines(exc, 1)
         raise DraftsmithError(
             f"{name}: not a model folder or config.json, and not loadable from the local "
             f"Hugging Face cache ({reason})"

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.eval.report import setting_name
+from draftsmith.eval.report import setting_label, setting_name
+from draftsmith.fsutil import read_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,10 +57,10 @@ def _recorded_seconds(runs: Path) -> float:
 
 def load_reports(report_dir: Path) -> dict[str, dict]:
     """Setting label (t0, t0.7, ...) -> that setting's report, from an eval output folder."""
-    index = json.loads((report_dir / "report.json").read_text())
+    index = read_json(report_dir / "report.json")
     if "runs" not in index:  # a single-setting report
-        return {f"t{index['settings']['temperature']:g}": index}
-    return {label: json.loads((report_dir / rel).read_text()) for label, rel in index["runs"].items()}
+        return {setting_label(index): index}
+    return {label: read_json(report_dir / rel) for label, rel in index["runs"].items()}
 
 
 def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:

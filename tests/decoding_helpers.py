@@ -8,8 +8,9 @@ import random
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.eval.proposers.base import Draft
+from draftsmith.eval.proposers.base import Draft, TargetContext
 from draftsmith.eval.proposers.oracle import OracleProposer
+from draftsmith.models.target import target_forward
 
 
 def chi2_pvalue(samples: list[int], probs: torch.Tensor, min_expected: float = 5.0) -> float:
@@ -154,3 +155,15 @@ def noisy_copy(model, scale: float, seed: int):
         for p in twin.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0.0))
     return twin
+
+
+def begin_like_decoder(proposer, target, prompt: torch.Tensor):
+    """Start `proposer` on `prompt` [T] the way the decoder does after its prefill: begin on
+    all but the last token (with their target features), then commit the last one, whose
+    features are not known yet. Returns the target's forward over the whole prompt."""
+    with torch.no_grad():
+        out = target_forward(target, prompt[None], capture=proposer.capture_layers)
+        proposer.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
+        proposer.commit(prompt[-1:], TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0],
+                                                   len(prompt) - 1))
+    return out

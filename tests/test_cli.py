@@ -13,7 +13,7 @@ import yaml
 
 from draftsmith.cli import build_parser, main
 from draftsmith.errors import DraftsmithError
-from draftsmith.recipe import Recipe, load_recipe, recipe_to_dict
+from draftsmith.recipe import DataSection, Recipe, load_recipe, recipe_to_dict
 from draftsmith.registry import METHODS, config_class
 from draftsmith.train import launch as launch_module
 from draftsmith.train.launch import accelerate_config, known_configs, launch, launch_argv
@@ -46,18 +46,52 @@ def test_every_option_of_every_subcommand_states_its_default():
     assert {("train",), ("plan",), ("eval",), ("export",), ("data", "regenerate"), ("data", "cache-hidden"),
             ("recipe", "show")} <= set(leaves)
     for words, parser in leaves.items():
-        formatter = parser._get_formatter()
         text = parser.format_help()
         assert "(default: None)" not in text, words  # a None default is said in words instead
         for action in parser._actions:
             if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             assert action.help, (words, action.dest)
-            if action.option_strings and not action.required:
-                assert "default" in formatter._get_help_string(action).lower(), (words, action.dest)
+            # The formatter appends a default argparse knows; a None one the help says itself.
+            if action.option_strings and not action.required and action.default is None:
+                assert "default" in action.help.lower(), (words, action.dest)
     # The defaults argparse knows are the ones printed.
     assert "--tp TP      tensor-parallel degree (default 1)" in leaves[("plan",)].format_help()
-    assert "(default: 256)" in leaves[("data", "regenerate")].format_help()
+    regenerate = " ".join(leaves[("data", "regenerate")].format_help().split())
+    assert "(default: 8)" in regenerate
+    # Unset regeneration flags take the recipe's values; the help quotes the built-in recipe's.
+    assert f"(default: the recipe's data.regen_top_k, else {DataSection().regen_top_k})" in regenerate
+
+
+# ---------------------------------------------------------------- data regenerate
+
+def regenerate_settings(monkeypatch, *argv) -> dict:
+    """What `data regenerate ARGV` asks of the regeneration, which is not run."""
+    import draftsmith.data.regenerate as regen
+
+    asked = {}
+    monkeypatch.setattr(regen, "regenerate_command", lambda target, dataset, out, **kw: asked.update(kw) or out)
+    assert main(["data", "regenerate", "--out", "o.jsonl", *argv]) == 0
+    return asked
+
+
+def test_regenerate_takes_the_recipes_sampling_and_flags_win(monkeypatch, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"target": {"path": str(tmp_path / "target")}, "train": {"seed": 9}, "data": {
+        "regen_temperature": 0.3, "regen_top_p": 0.5, "regen_top_k": 4, "regen_max_new_tokens": 33,
+        "regen_in_flight": 5, "dataset_split": "test"}}))
+    settings = regenerate_settings(monkeypatch, "--recipe", str(recipe))
+    assert {k: settings[k] for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed", "in_flight",
+                                     "dataset_split")} == dict(temperature=0.3, top_p=0.5, top_k=4, max_new_tokens=33,
+                                                               seed=9, in_flight=5, dataset_split="test")
+    flagged = regenerate_settings(monkeypatch, "--recipe", str(recipe), "--top-k", "0", "--in-flight", "0",
+                                  "--temperature", "0")
+    assert flagged == {**settings, "top_k": 0, "in_flight": 0, "temperature": 0.0}  # a zero flag is still given
+    # No recipe: the built-in recipe's values.
+    data = DataSection()
+    plain = regenerate_settings(monkeypatch, "--target", str(tmp_path / "target"))
+    assert (plain["temperature"], plain["top_p"], plain["top_k"], plain["max_new_tokens"], plain["seed"]) == (
+        data.regen_temperature, data.regen_top_p, data.regen_top_k, data.regen_max_new_tokens, Recipe().train.seed)
 
 
 # ---------------------------------------------------------------- recipe show

@@ -17,13 +17,13 @@ from draftsmith.cli import main
 from draftsmith.data.conversations import load_conversations
 from draftsmith.data.corpus import load_embedded_corpus
 from draftsmith.data.local_server import LocalServer, free_port
-from draftsmith.data.processes import Processes
 from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
 from draftsmith.data.regenerate import embedded_conversations, regenerate
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_cache import write_feature_cache
 from draftsmith.models.target import build_tiny_target, load_target
+from draftsmith.processes import Processes
 from test_regenerate import CONVERSATIONS as REGEN_CONVERSATIONS
 
 # test_regenerate's conversations, one more so that a stopped server leaves rows on both sides.
@@ -182,6 +182,50 @@ def test_bad_servers_are_refused_in_one_line_and_nothing_written_is_lost(server,
     assert not list(tmp_path.glob(".out.jsonl*"))
 
 
+def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target_dir, tokenizer, tmp_path,
+                                                                          monkeypatch):
+    """The partial file is keyed on the target's weights, not its folder: no server is
+    needed to see it, a stand-in client answers."""
+    class Stand:
+        def __init__(self, url, target, tokenizer, plain, sampling, limits):
+            self.sampling = sampling
+
+        def complete(self, history, seed):
+            return f"reply {seed}", 1
+
+    answer, asked = regen_server.answer_conversation, []
+
+    def stop_at(index_to_fail):
+        def answering(client, messages, index):
+            if index == index_to_fail:
+                raise DraftsmithError("stopped")
+            asked.append(index)
+            return answer(client, messages, index)
+        return answering
+
+    monkeypatch.setattr(regen_server, "ServerClient", Stand)
+    folder, out = tmp_path / "target", tmp_path / "regen.jsonl"
+    shutil.copytree(target_dir, folder)
+    sampling = regen_server.Sampling(NEW_TOKENS, 0.0, 1.0, 0, 0, (0,), 0)
+    run = lambda: regenerate_via_servers(["stand-in"], str(folder), tokenizer, CONVERSATIONS, out,  # noqa: E731
+                                         sampling, limits=fast_limits(in_flight=1))
+    for fail, first_asked in ((2, 0), (4, 2)):  # the second run resumes after the first's two answers
+        monkeypatch.setattr(regen_server, "answer_conversation", stop_at(fail))
+        asked.clear()
+        with pytest.raises(DraftsmithError, match="stopped"):
+            run()
+        assert asked[0] == first_asked
+    model = load_target(folder)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(1.0)
+    model.save_pretrained(folder)  # retrained in place: the old answers are not its
+    monkeypatch.setattr(regen_server, "answer_conversation", stop_at(-1))
+    asked.clear()
+    assert len(read(run())) == len(CONVERSATIONS)
+    assert asked == list(range(len(CONVERSATIONS)))
+
+
 # ---------------------------------------------------------------- every process of a launch
 
 def run_processes(world, job):
@@ -210,8 +254,8 @@ def test_a_process_resumes_its_own_share(target, tokenizer, tmp_path, monkeypatc
     single = regenerate(target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
     regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl", processes=Processes(1, 2), **settings)
     answer, answered = regen._answer, []
-    monkeypatch.setattr(regen, "_answer", lambda t, tok, batch, first, how: answered.append(first) or
-                        answer(t, tok, batch, first, how))
+    monkeypatch.setattr(regen, "_answer", lambda t, tok, batch, first, *how: answered.append(first) or
+                        answer(t, tok, batch, first, *how))
     # Process 1 is restarted: its batch is on disk, so only process 0's batches are answered.
     run_processes(2, lambda procs: regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl",
                                               processes=procs, **settings))

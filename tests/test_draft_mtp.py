@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from decoding_helpers import begin_like_decoder
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
@@ -71,9 +72,7 @@ def test_mtp_decoding_is_lossless(arch, mode):
 
 def start(proposer, target, ids, n):
     """Begin on ids[:n - 1] and commit ids[n - 1], as the decoder does after the prefill."""
-    out = target_forward(target, ids[None, :n - 1], capture=[1])
-    proposer.begin(ids[:n - 1], TargetContext({1: out.hidden[1][0]}, ids[:n - 1], 0))
-    proposer.commit(ids[n - 1:n], TargetContext({1: out.hidden[1][0, :0]}, ids[:0], n - 1))
+    begin_like_decoder(proposer, target, ids[:n])
 
 
 def commit(proposer, target, ids, n, accepted):

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from decoding_helpers import begin_like_decoder
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
+from draftsmith.eval.proposers.base import GREEDY, SamplingParams
 from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer, load_proposer
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import (
@@ -18,13 +19,11 @@ from draftsmith.models.dspark import (
     ANCHOR_IS_FIRST_PREDICTION,
     DSparkConfig,
     DSparkDrafter,
-    confident_prefix_length,
 )
 from draftsmith.models.export_dflash import (
     export_dflash_zlab,
     export_dspark_specforge,
-    load_dflash_zlab,
-    load_dspark,
+    load_any,
 )
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
@@ -52,10 +51,7 @@ def features(target, ids, layer_ids):
 def first_block(adapter, target, prompt):
     """Start `adapter` on `prompt` the way the decoder does; the prediction-slot hidden
     states and head logits of its first block."""
-    out = target_forward(target, prompt[None], capture=adapter.capture_layers)
-    adapter.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
-    nothing = TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0], len(prompt) - 1)
-    adapter.commit(prompt[-1:], nothing)
+    begin_like_decoder(adapter, target, prompt)
     with torch.no_grad():
         return adapter.draft_block(adapter.drafter.drafts_per_block)
 
@@ -149,15 +145,17 @@ def test_loss_parts_and_a_frozen_backbone_training_only_the_heads(target):
     assert drafter.markov_head.markov_w2.weight.abs().sum() > 0
 
 
-def test_stop_rule_on_a_hand_worked_block():
+def test_stop_rule_on_a_hand_worked_block(target):
     """DeepSpec's rule: keep the drafts before the first position whose *own* confidence is
     below the threshold. Confidences .9 .6 .7 .2 at threshold .5 keep 3 drafts (the old
     running product .9 .54 .378 would have kept 2); threshold 0 keeps all; 1 keeps none."""
-    logits = torch.logit(torch.tensor([0.9, 0.6, 0.7, 0.2, 0.95]))
-    assert confident_prefix_length(logits, 0.5) == 3
-    assert confident_prefix_length(logits, 0.65) == 1
-    assert confident_prefix_length(logits, 0.0) == 5
-    assert confident_prefix_length(logits, 1.0) == 0
+    drafter = dspark_for(target, block_size=6)
+    prompt = torch.randint(0, MASK, (8,), generator=torch.Generator().manual_seed(3))
+    for threshold, kept in ((0.5, 3), (0.65, 1), (0.0, 5), (1.0, 0)):
+        proposer = scripted_confidence(DSparkProposer(drafter, target, confidence_threshold=threshold),
+                                       [0.9, 0.6, 0.7, 0.2, 0.95])
+        first_block(proposer, target, prompt)
+        assert len(proposer.propose(5, GREEDY, None)) == kept, threshold
     assert DSparkConfig.confidence_threshold == 0.0  # the reference's default: the full block
 
 
@@ -185,7 +183,7 @@ def test_confidence_head_ends_drafts_early_and_counts_the_rows_saved(target):
     script = [0.9, 0.6, 0.7, 0.2, 0.95, 0.9]
     stopping = scripted_confidence(DSparkProposer(drafter, target, confidence_threshold=0.5), script)
     first_block(stopping, target, prompt)
-    assert len(stopping.propose(6, GREEDY, None)) == 3  # the hand-worked block above, through the proposer
+    assert len(stopping.propose(6, GREEDY, None)) == 3  # the hand-worked block above
     stopping = scripted_confidence(DSparkProposer(drafter, target, confidence_threshold=0.5), script)
     decoder = SpeculativeDecoder(target, stopping, num_draft=6, eos_token_id=())
     result = decoder.generate(prompt, 20)
@@ -236,7 +234,7 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
 
     save_drafter(drafter, tmp_path / "native")
     before = drafts(drafter)
-    for reloaded in (load_dspark(tmp_path / "dspark"), load_drafter(tmp_path / "native", "dspark"),
+    for reloaded in (load_any(tmp_path / "dspark", "dspark"), load_drafter(tmp_path / "native", "dspark"),
                      load_proposer(tmp_path / "dspark", target, "dspark").drafter):
         after = drafts(reloaded)
         assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
@@ -246,8 +244,8 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
     save_drafter(dflash, tmp_path / "dflash-native")
     narrow = build_tiny_target(vocab_size=VOCAB, num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2)
     for call, match in (
-        (lambda: load_dflash_zlab(tmp_path / "dspark"), "holds a dspark drafter, not dflash .*as dspark:"),
-        (lambda: load_dspark(tmp_path / "dflash"), "holds a dflash drafter, not dspark .*as dflash:"),
+        (lambda: load_any(tmp_path / "dspark", "dflash"), "holds a dspark drafter, not dflash .*as dspark:"),
+        (lambda: load_any(tmp_path / "dflash", "dspark"), "holds a dflash drafter, not dspark .*as dflash:"),
         (lambda: load_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
         (lambda: load_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
         (lambda: load_proposer(tmp_path / "native", target, "dflash"), "holds a dspark drafter, not dflash"),

@@ -391,8 +391,10 @@ def test_tree_scores_are_path_log_probabilities(trained):
     prompt = seqs[1, :PROMPT]
     first = decoder.start(prompt, 16).last
     nodes = proposer.grow_tree(12)
-    # Depth 4 (the cap), 3 + 3 * 9 nodes at most: expansion stops under hopeless nodes.
+    # Depth 4 (the cap), 3 + 3 * 9 nodes at most: expansion stops under hopeless nodes; and
+    # deep and branching enough that the masks and positions below are really exercised.
     assert len(nodes) <= 3 + 3 * 9 and max(nodes.depth) <= 4
+    assert max(nodes.depth) >= 3 and any(nodes.parent.count(p) > 1 for p in set(nodes.parent) - {-1})
     draft_index = torch.cumsum(drafter.t2d.long(), 0) - 1
     with torch.no_grad():
         context, root = _context_entries(target, drafter, prompt, first)
@@ -436,7 +438,6 @@ def test_a_tree_whose_drafter_is_certain_is_a_chain(trained):
     so a certain drafter spends all 7 nodes on one path: the chain it would draft."""
     _, target, drafter, seqs, _ = trained
     sure = certain(drafter)
-    chain, _ = _drafts(target, sure, seqs, "chain")
     decoder = SpeculativeDecoder(target, Eagle3Proposer(sure, mode="tree"), num_draft=7, eos_token_id=())
     decoder.start(seqs[0, :PROMPT], 16)
     tree = decoder.drafter.propose(7, SamplingParams(), None)
@@ -459,6 +460,7 @@ def test_tree_depth_follows_the_node_budget(trained):
     assert max(proposer.grow_tree(15).depth) == 15
 
 
+@pytest.mark.parametrize("trained", ["llama"], indirect=True)  # a config check
 @pytest.mark.parametrize("options, match", [
     ({"budget": 0}, "node budget must be at least one node, got 0"),
     ({"depth": 0}, "topk and depth must be >= 1"),
@@ -470,76 +472,50 @@ def test_bad_tree_options_are_one_line(trained, options, match):
     assert "\n" not in str(caught.value)
 
 
-def test_sampled_tree_children_are_drawn_without_replacement():
-    """Sampled trees: siblings are distinct draws from q, each recording q without the
-    earlier siblings (what multi-draft rejection sampling needs to stay exact), and the
-    first child is distributed as q itself, the chain's draft."""
-    from draftsmith.eval.proposers.eagle3 import TreeCandidates
-
-    q = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
-    generator = torch.Generator().manual_seed(0)
-    first = torch.zeros(5)
-    for _ in range(4000):
-        nodes = TreeCandidates()
-        nodes.add_sampled_children(-1, q, 3, generator)
-        tokens = nodes.token
-        assert len(tokens) == len(set(tokens)) == 3 and 4 not in tokens  # never a token of mass 0
-        rest = q.clone()
-        for n, token in enumerate(tokens):
-            torch.testing.assert_close(nodes.drawn_from(n), rest / rest.sum())
-            rest[token] = 0.0
-        assert nodes.score[0] == pytest.approx(float(q[tokens[0]].log()))
-        first[tokens[0]] += 1
-    torch.testing.assert_close(first / first.sum(), q, atol=0.03, rtol=0)
-    nodes = TreeCandidates()
-    nodes.add_sampled_children(-1, torch.tensor([0.0, 1.0, 0.0]), 3, generator)
-    assert nodes.token == [1]  # fewer children than k when q has fewer tokens
-
-
+@pytest.mark.parametrize("trained", ["llama"], indirect=True)  # the property is the decoder's, not a family's
 def test_sampled_tree_decoding_is_lossless(trained):
-    """A sampled tree commits tokens distributed as the target's own sampling: the first
-    committed token's frequencies over many seeds match the target's processed p."""
+    """Through the decoder: the first verified token of a sampled tree is distributed as
+    the target's processed p (the decoder rewound to the same prefix for every sample)."""
+    from decoding_helpers import chi2_pvalue
     from draftsmith.eval.sampling import process_logits
+    from draftsmith.models.target import crop_cache
 
     _, target, drafter, seqs, _ = trained
     sampling = SamplingParams(temperature=1.0, top_k=8)
     prompt = seqs[0, :PROMPT]
+    proposer = Eagle3Proposer(drafter, mode="tree", topk=3)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=5, eos_token_id=())
+    generator = torch.Generator().manual_seed(0)
+    state = decoder.start(prompt, 100, sampling, generator)
+    first = state.generated[0]
     with torch.no_grad():
-        first = process_logits(target(prompt[None]).logits[0, -1], sampling)
-    decoder = SpeculativeDecoder(target, Eagle3Proposer(drafter, mode="tree", topk=3), num_draft=5, eos_token_id=())
-    second = torch.zeros(VOCAB)
-    token = int(first.argmax())
-    with torch.no_grad():
-        p = process_logits(target(torch.cat([prompt, torch.tensor([token])])[None]).logits[0, -1], sampling)
-    runs = 0
-    for seed in range(1200):
-        out = decoder.generate(prompt, 2, sampling, torch.Generator().manual_seed(seed)).tokens
-        if int(out[0]) == token:  # condition on the first token to check the verified second one
-            second[int(out[1])] += 1
-            runs += 1
-    assert runs > 150
-    torch.testing.assert_close(second / runs, p, atol=0.08, rtol=0)
+        p = process_logits(target(torch.cat([prompt, torch.tensor([first])])[None]).logits[0, -1], sampling)
+    started = (proposer.context, proposer.tokens, list(proposer.pending), proposer.last_out)
+    seconds = []
+    for _ in range(800):
+        crop_cache(state.cache, PROMPT)  # rewind target and drafter to just after the prefill
+        state.last, state.generated, state.done = torch.tensor([first]), [first], False
+        proposer.context, proposer.tokens, proposer.pending, proposer.last_out = started[0], started[1], \
+            list(started[2]), started[3]
+        proposer.cache.crop(proposer.context)
+        decoder.step(state)
+        seconds.append(state.generated[1])
+    assert chi2_pvalue(seconds, p) > 1e-3
 
 
+@pytest.mark.parametrize("trained", ["llama"], indirect=True)
 @pytest.mark.parametrize("budget", [2, 5])
 def test_sampled_tree_first_token_is_distributed_as_the_target(trained, budget):
     """Whatever nodes the budget keeps, the first committed token is distributed as the
     target's processed p. A sampled tree whose kept nodes depended on their own drawn tokens
     (the best-scoring draws of 4) would commit the drafter's favourites too often."""
-    from decoding_helpers import chi2_pvalue
-    from draftsmith.eval.proposers.base import TargetContext
+    from decoding_helpers import begin_like_decoder, chi2_pvalue
     from draftsmith.eval.sampling import accept_tree_sampled, process_logits
 
     _, target, drafter, seqs, _ = trained
     sampling = SamplingParams(temperature=1.0, top_k=8)
-    prompt = seqs[1, :PROMPT + 4]
     proposer = Eagle3Proposer(drafter, mode="tree", topk=4)
-    with torch.no_grad():
-        out = target_forward(target, prompt[None], capture=drafter.config.target_layer_ids)
-        proposer.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
-        proposer.commit(prompt[-1:], TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0],
-                                                   PROMPT + 3))
-        p = process_logits(out.logits[0, -1], sampling)
+    p = process_logits(begin_like_decoder(proposer, target, seqs[1, :PROMPT + 4]).logits[0, -1], sampling)
     generator = torch.Generator().manual_seed(0)
     firsts = []
     for _ in range(3000):

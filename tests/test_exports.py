@@ -4,16 +4,18 @@ fields and weight names are what its loader reads (transformers' own classes whe
 run on CPU, a fixture of the loader's expected fields otherwise); bad input is one line."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from decoding_helpers import begin_like_decoder
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers import proposer_from_spec
-from draftsmith.eval.proposers.base import GREEDY, SamplingParams, TargetContext
+from draftsmith.eval.proposers.base import GREEDY, SamplingParams
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
@@ -21,7 +23,7 @@ from draftsmith.models.export import export_run
 from draftsmith.models.export_dflash import export_dspark_deepspec, export_dspark_specforge
 from draftsmith.models.mtp import MTP_DIR, MTPDrafter
 from draftsmith.models.native import save_drafter
-from draftsmith.models.target import build_tiny_target, freeze, target_forward
+from draftsmith.models.target import build_tiny_target, freeze
 from draftsmith.registry import METHODS
 
 VOCAB, MASK = 128, 127
@@ -73,10 +75,7 @@ def eagle3(target):
 def drafts(proposer, target, prompt, n=4):
     """Greedy draft tokens and a sampled draft with its probabilities, after the prompt,
     fed the way the decoder feeds them."""
-    out = target_forward(target, prompt[None], capture=proposer.capture_layers)
-    proposer.begin(prompt[:-1], TargetContext({i: h[0, :-1] for i, h in out.hidden.items()}, prompt[:-1], 0))
-    proposer.commit(prompt[-1:], TargetContext({i: h[0, :0] for i, h in out.hidden.items()}, prompt[:0],
-                                               len(prompt) - 1))
+    begin_like_decoder(proposer, target, prompt)
     greedy = proposer.propose(n, GREEDY, None).tokens
     sampled = proposer.propose(n, SamplingParams(temperature=1.0), torch.Generator().manual_seed(5))
     return greedy, sampled.tokens, sampled.probs
@@ -186,8 +185,8 @@ def mtp_run(tmp_path, target, name):
     """What the mtp recipe writes: the target folder with its MTP modules in mtp/."""
     heads = MTPDrafter.for_target(target, 2)
     with torch.no_grad():  # every weight set here: MoE experts are built uninitialised (torch.empty)
-        for name, p in heads.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if name.endswith("norm.weight") else 0.0))
+        for param_name, p in heads.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if param_name.endswith("norm.weight") else 0.0))
     folder = tmp_path / name / "model"
     target.save_pretrained(folder)
     save_drafter(heads, folder / MTP_DIR, extra={"num_nextn_predict_layers": 2})
@@ -368,7 +367,7 @@ def test_bad_folders_are_one_line_errors_naming_what_was_expected(target, tmp_pa
         del weights[name]
         save_file(weights, str(folder / "model.safetensors"))
         method = "eagle3" if folder == exports["eagle3"] else "dspark"
-        one_line_error(lambda: proposer_from_spec(f"{method}:{folder}", target), name.split(".")[0])
+        one_line_error(lambda: proposer_from_spec(f"{method}:{folder}", target), re.escape(name))
     # A checkpoint whose vocabulary or hidden size does not fit the target.
     wide = freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=32,
                                     num_heads=4, num_kv_heads=2))

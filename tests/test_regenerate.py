@@ -5,7 +5,8 @@ import torch
 
 from draftsmith.data import regenerate as regen
 from draftsmith.data.corpus import load_embedded_corpus
-from draftsmith.data.regenerate import embedded_conversations, regenerate, regenerate_command, stop_token_ids
+from draftsmith.data.regen_server import stop_token_ids
+from draftsmith.data.regenerate import embedded_conversations, regenerate, regenerate_command
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import build_tiny_target
@@ -39,7 +40,7 @@ def greedy_reply(target, tokenizer, messages, plain=False):
     else:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
-    stops = stop_token_ids(target, tokenizer, plain=plain)
+    stops = stop_token_ids(target.generation_config, tokenizer, plain=plain)
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                           eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
     end = next((k for k, t in enumerate(out) if t in stops), len(out))

@@ -125,9 +125,9 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
     import importlib.util
 
     from draftsmith.eval.report import write_index
+    from tiny_runs import ROOT
 
-    spec = importlib.util.spec_from_file_location("bench_demo", report.__file__.replace(
-        "eval/report.py", "scripts/bench_demo.py"))
+    spec = importlib.util.spec_from_file_location("bench_demo", ROOT / "scripts" / "bench_demo.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     per_seed = {}

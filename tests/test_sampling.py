@@ -23,6 +23,7 @@ from draftsmith.eval.sampling import (
     accept_chain_sampled,
     accept_tree_greedy,
     accept_tree_sampled,
+    draw_without_replacement,
     process_logits,
     residual,
     sample,
@@ -178,3 +179,22 @@ def test_a_drafter_misreporting_q_is_caught():
     gen = torch.Generator().manual_seed(4)
     outcomes = [_tree_trial(p1, p2, q1, q2, "lying", gen) for _ in range(TRIALS)]
     assert chi2_pvalue(outcomes, _joint(p1, p2)) < 1e-6
+
+
+def test_draws_without_replacement_record_what_each_was_drawn_from():
+    """Siblings are distinct draws from q, each recording q without the earlier ones (what
+    multi-draft rejection sampling needs to stay exact); the first is distributed as q."""
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    firsts = []
+    for _ in range(4000):
+        tokens, rows = draw_without_replacement(q, 3, generator)
+        assert len(tokens) == len(set(tokens)) == 3 and 4 not in tokens  # never a token of mass 0
+        rest = q.clone()
+        for token, row in zip(tokens, rows):
+            torch.testing.assert_close(row, rest / rest.sum())
+            rest[token] = 0.0
+        firsts.append(tokens[0])
+    assert chi2_pvalue(firsts, q) > 1e-3
+    tokens, rows = draw_without_replacement(torch.tensor([0.0, 1.0, 0.0]), 3, generator)
+    assert tokens == [1] and rows.tolist() == [[0.0, 1.0, 0.0]]  # fewer than k when q has fewer tokens

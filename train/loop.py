@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.fsutil import atomic_file, ensure_writable_dir
 from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs
@@ -254,24 +254,20 @@ def _train(recipe: Recipe) -> Path:
         try:
             accelerator.load_state(str(resume_from))
         except Exception as exc:  # another model shape, a damaged file: the checkpoint, not our bug
-            lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
-            raise DraftsmithError(f"cannot resume from {resume_from}: {' '.join(lines) or type(exc).__name__}") from None
+            raise DraftsmithError(f"cannot resume from {resume_from}: {first_lines(exc)}") from None
         step = resume_step
         saved = resume_from / f"window-{accelerator.process_index}.json"
         if saved.is_file():
             w = json.loads(saved.read_text())
             window, window_n, tokens, elapsed = w.get("sums", {}), w.get("n", 0), w.get("tokens", 0), w.get("s", 0.0)
         accelerator.print(f"resumed from {resume_from} at step {step}")
+    history = out_dir / "metrics.jsonl"
     if accelerator.is_main_process:  # after a resume has loaded: a refused one leaves the run's recipe
         with atomic_file(out_dir / "recipe.yaml") as f:
             f.write(dump_recipe(recipe))
-    if accelerator.is_main_process:
         accelerator.init_trackers(recipe.tracking.project, config=_flat(recipe),
                                   init_kwargs={"wandb": {"name": recipe.tracking.run_name or out_dir.name,
                                                          "dir": str(out_dir)}})
-
-    history = out_dir / "metrics.jsonl"
-    if accelerator.is_main_process:
         _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
     micro = step * t.grad_accum
     # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would

@@ -45,8 +45,8 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     embedded default, whose prompts have no answers). Returns (source, plain_text)."""
     from accelerate import PartialState
 
-    from draftsmith.data.processes import current_processes
     from draftsmith.data.regenerate import embedded_conversations, regenerate
+    from draftsmith.processes import current_processes
 
     data = recipe.data
     embedded = data.dataset == "embedded"
@@ -54,8 +54,8 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
         return _dataset_file(recipe), False
     # Answers depend only on the target and these settings, so every drafter trained
     # against the same target shares them: they are cached under a key of both.
-    settings = json.dumps([answer_settings(recipe), target_fingerprint(resolve_model_dir(recipe.target.path))],
-                          sort_keys=True)
+    target_dir = resolve_model_dir(recipe.target.path)
+    settings = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:16]
     out = cache_dir() / "regenerated" / f"{key}.jsonl"
     conversations = lambda: (embedded_conversations(data.num_conversations, data.prompt_chars)  # noqa: E731
@@ -65,14 +65,13 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
 
         with PartialState().main_process_first():  # the main process asks the servers; the others read its file
             if not out.is_file():
-                target_dir = resolve_model_dir(recipe.target.path)
                 sampling = sampling_for(target_dir, tokenizer, embedded, data.regen_max_new_tokens,
                                         data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed)
                 regenerate_via_servers(data.regen_servers, (recipe.target.path, str(target_dir)), tokenizer,
                                        conversations(), out, sampling, plain=embedded,
                                        limits=Limits(in_flight=data.regen_in_flight))
         return out, embedded
-    # Every process answers its share of the batches; the main one merges them (data/processes.py).
+    # Every process answers its share of the batches; the main one merges them (draftsmith/processes.py).
     # All test the file before any can write it: the merge waits for every process.
     if not out.is_file():
         regenerate(target, tokenizer, conversations(), out, max_new_tokens=data.regen_max_new_tokens,
@@ -103,9 +102,10 @@ def _dataset_file(recipe: Recipe) -> Path | str:
     from draftsmith.data.conversations import is_dataset
 
     data = recipe.data
-    if not (_dataset_settings(data) or is_dataset(data.dataset)):
+    settings = _dataset_settings(data)
+    if not (settings or is_dataset(data.dataset)):
         return data.dataset
-    key = hashlib.sha256(json.dumps([data.dataset, _dataset_settings(data)], sort_keys=True).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([data.dataset, settings], sort_keys=True).encode()).hexdigest()
     out = cache_dir() / "conversations" / f"{key[:16]}.jsonl"
     with PartialState().main_process_first():
         if not out.is_file():
@@ -225,7 +225,7 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
     if recipe.method.name not in posthoc():
         raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(posthoc())} "
                               "read target features")
-    from draftsmith.data.processes import current_processes
+    from draftsmith.processes import current_processes
 
     recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
     # Under `accelerate launch` every process computes its share of the shards on its own device.

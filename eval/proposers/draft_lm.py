@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
 from draftsmith.fsutil import read_json
@@ -78,8 +78,6 @@ def load_proposer(path, target, **options) -> DraftLMProposer:
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path))
     except Exception as exc:  # a corrupt or foreign folder: its files, not our bug
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
-        raise DraftsmithError(f"draft model {path}: cannot load it as a causal LM: "
-                              f"{' '.join(lines) or type(exc).__name__}") from None
+        raise DraftsmithError(f"draft model {path}: cannot load it as a causal LM: {first_lines(exc)}") from None
     model = model.to(next(target.parameters()).device)
     return DraftLMProposer(model, target, name="draft_lm")

@@ -14,13 +14,14 @@ from those (SGLang's draft-extend does the same). Context entries are computed l
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 
 import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
-from draftsmith.eval.sampling import process_logits, sample
+from draftsmith.eval.sampling import draw_without_replacement, process_logits, sample
 from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
 from draftsmith.models.export_eagle3 import load_any
 
@@ -41,7 +42,8 @@ class Eagle3Proposer:
     depth follows its total-token budget; `depth` caps it), so a chain is one possible
     tree and a confident drafter grows a deep, narrow one. Greedy tree drafts are EAGLE-2's
     deterministic top-k; sampled ones take that tree's shape and draw its children without
-    replacement (`sampled_children`, see `fill_tree`; False keeps EAGLE-2's top-k), and the
+    replacement (`sampled_children`, see `fill_tree`; False keeps EAGLE-2's top-k, the
+    `eagle3_tree_topk` variant), and the
     decoder's tree sampling accepts either losslessly."""
 
     def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int | None = None,
@@ -126,20 +128,24 @@ class Eagle3Proposer:
         return Draft(torch.stack(tokens), None, torch.stack(probs) if probs else None)
 
     def _on_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        full = logits.new_full((self.drafter.config.vocab_size,), float("-inf"))
-        return full.index_copy_(0, self.draft_ids, logits)
+        """Draft-vocabulary logits [..., d] spread over the target vocabulary [..., V]."""
+        full = logits.new_full((*logits.shape[:-1], self.drafter.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_ids, logits)
 
     # ---- EAGLE-2 dynamic tree ------------------------------------------------------------
 
     def _tree(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
         budget = max_nodes if self.budget is None else min(max_nodes, self.budget)
-        shape = self.grow_tree(budget).select(budget)
+        root = self.drafter.logits(self.last_out)[0, -1]
+        shape = self.grow_tree(budget, root).select(budget)
         if sampling.greedy or not self.sampled_children:
             return shape
-        return self.fill_tree(shape.parents.tolist(), sampling, generator)
+        self.cache.crop(self.context)  # the shape's rows: the drawn tree never reads them
+        return self.fill_tree(shape.parents.tolist(), sampling, generator, root)
 
-    def fill_tree(self, parents: list[int], sampling: SamplingParams, generator) -> Draft:
-        """A tree of the given shape (BFS `parents`, -1: the root) whose children are drawn
+    def fill_tree(self, shape: list[int], sampling: SamplingParams, generator,
+                  root: torch.Tensor | None = None) -> Draft:
+        """A tree of the given shape (BFS parents, -1: the root) whose children are drawn
         from the drafter's processed q without replacement, level by level.
 
         Why the shape comes first: multi-draft rejection sampling is exact only if whether a
@@ -149,59 +155,72 @@ class Eagle3Proposer:
         `test_sampled_tree_first_token_is_distributed_as_the_target` catches it). The shape
         is EAGLE-2's top-k tree for this context, chosen before anything is drawn; a
         node's first child is then distributed as the chain's draft from it. It costs a
-        second pass of drafter steps, one per level."""
-        slots: dict[int, list[int]] = {-1: []}
-        for node, parent in enumerate(parents):
+        second pass of drafter steps, one per level.
+
+        Why drawn children rather than EAGLE-2's top-k under sampling: a deterministic child
+        is accepted with probability p(x), so `k` of them catch at most the target's top-k
+        mass, while a child drawn from q is accepted with probability sum min(p, q) -- more
+        when the target's sampling distribution is flat. Measured on the demo's EAGLE-3
+        (seed 0) over 16 held-out prompts at temperature 0.7, top-p 0.8, top-k 20 (15
+        nodes): tau 2.19 drawn, 1.96 top-4 (`eagle3_tree_topk`), 2.04 for the chain."""
+        slots: dict[int, list[int]] = {}
+        for node, parent in enumerate(shape):
             slots.setdefault(parent, []).append(node)
-        nodes = TreeCandidates()
-        made = {-1: -1}  # shape node -> drawn node
+        tokens: list[int] = []
+        parents: list[int] = []
+        probs: list[torch.Tensor] = []
+        made = {-1: -1}  # shape node -> drawn node; the drawn nodes are in BFS order too
         above: dict[int, list[int]] = {-1: []}
         outputs = {-1: self.last_out}
-        logits = {-1: self.drafter.logits(self.last_out)[0, -1]}
+        root = self.drafter.logits(self.last_out)[0, -1] if root is None else root
+        qs = process_logits(self._on_target_vocab(root[None]), sampling)  # one row per frontier node
         frontier = [-1]
-        for level in range(len(parents) + 1):
+        for level in range(1, len(shape) + 1):
             grown = []
-            for n in frontier:
-                q = process_logits(self._on_target_vocab(logits[n]), sampling)
-                first = len(nodes)
+            for n, q in zip(frontier, qs):
+                drawn, rows = draw_without_replacement(q, len(slots[n]), generator)
                 # a q with fewer tokens than slots drops the rest, and the subtrees under them
-                nodes.add_sampled_children(made[n], q, len(slots[n]), generator)
-                for slot, drawn in zip(slots[n], range(first, len(nodes))):
-                    made[slot] = drawn
+                for slot, token in zip(slots[n], drawn):
+                    made[slot] = len(tokens)
+                    tokens.append(token)
+                    parents.append(made[n])
                     grown.append(slot)
-            frontier = [n for n in grown if slots.get(n)]
+                probs.append(rows)
+            frontier = [n for n in grown if n in slots]
             if not frontier:
                 break
-            out = self._step_nodes(nodes, [made[n] for n in frontier], level + 1, above, outputs)
-            rows = self.drafter.logits(out)[0]
-            logits.update({n: rows[j] for j, n in enumerate(frontier)})
-        return nodes.select(len(nodes))
+            out = self._step_nodes(tokens, parents, [made[n] for n in frontier], level, above, outputs)
+            qs = process_logits(self._on_target_vocab(self.drafter.logits(out)[0]), sampling)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                     torch.cat(probs))
 
-    def _step_nodes(self, nodes: "TreeCandidates", frontier: list[int], level: int,
+    def _step_nodes(self, tokens: list[int], parents: list[int], frontier: list[int], level: int,
                     above: dict[int, list[int]], outputs: dict) -> torch.Tensor:
-        """One drafter step over the tree nodes `frontier` (all at depth `level`): each
-        sees the context, its ancestors' entries and itself. Records each node's cache
-        rows in `above` and its output in `outputs`; returns the outputs [1, n, H]."""
+        """One drafter step over the tree nodes `frontier` (all at depth `level`; `tokens`
+        and `parents` of every node so far): each sees the context, its ancestors' entries
+        and itself. Records each node's cache rows in `above` and its output in `outputs`;
+        returns the outputs [1, n, H]."""
         rows = len(self.cache)
-        tokens = torch.tensor([nodes.token[n] for n in frontier], device=self.device)[None]
-        hidden = torch.cat([outputs[nodes.parent[n]] for n in frontier], dim=1)
-        visible = torch.zeros(len(frontier), rows + len(frontier), dtype=torch.bool, device=self.device)
+        ids = torch.tensor([tokens[n] for n in frontier], device=self.device)[None]
+        hidden = torch.cat([outputs[parents[n]] for n in frontier], dim=1)
+        visible = torch.zeros(len(frontier), rows + len(frontier), dtype=torch.bool)  # built here, moved once
         visible[:, : self.context] = True
         for j, n in enumerate(frontier):
-            above[n] = above[nodes.parent[n]] + [rows + j]
+            above[n] = above[parents[n]] + [rows + j]
             visible[j, above[n]] = True
         positions = torch.full((1, len(frontier)), self.context + level - 1, device=self.device)
-        out = self.drafter.step(tokens, hidden, positions, self.cache, visible)
+        out = self.drafter.step(ids, hidden, positions, self.cache, visible.to(self.device))
         for j, n in enumerate(frontier):
             outputs[n] = out[:, j : j + 1]
         return out
 
-    def grow_tree(self, budget: int) -> "TreeCandidates":
+    def grow_tree(self, budget: int, root: torch.Tensor | None = None) -> "TreeCandidates":
         """EAGLE-2's expansion: the `topk` best nodes of each depth get their `topk` best
         children, one depth after another, until the budget's depth (`budget` levels, or
         `depth`) or until no node of the newest depth can still be among the `budget` best
         (a child never scores above its parent, so the nodes below such a node cannot
-        either). Deterministic: a function of the context alone.
+        either). Deterministic: a function of the context alone. `root`: the drafter's
+        logits after the last committed token, when the caller has them.
 
         A node at depth d is the drafter entry (its token, its parent's output) at position
         context + d - 1; it sees the context entries, its ancestors' entries and itself.
@@ -211,14 +230,17 @@ class Eagle3Proposer:
         nodes = TreeCandidates()
         above: dict[int, list[int]] = {-1: []}  # expanded node -> cache rows of its ancestors and itself
         outputs = {-1: self.last_out}  # expanded node -> its drafter output (its children's hidden)
-        nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1], k, self.draft_ids)
+        nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1] if root is None else root, k,
+                           self.draft_ids)
         frontier = list(range(len(nodes)))
         levels = budget if self.depth is None else min(self.depth, budget)
         for level in range(1, levels):
-            frontier = [n for n in frontier if nodes.score[n] >= nodes.cutoff(budget)]
+            bar = nodes.cutoff(budget)
+            frontier = [n for n in frontier if nodes.score[n] >= bar]
             if not frontier:
                 break
-            logits = self.drafter.logits(self._step_nodes(nodes, frontier, level, above, outputs))[0]
+            out = self._step_nodes(nodes.token, nodes.parent, frontier, level, above, outputs)
+            logits = self.drafter.logits(out)[0]
             first_child = len(nodes)
             for j, n in enumerate(frontier):
                 nodes.add_children(n, logits[j], k, self.draft_ids)
@@ -235,11 +257,6 @@ class TreeCandidates:
         self.parent: list[int] = []
         self.depth: list[int] = []
         self.score: list[float] = []
-        # Sampled trees: one q per expansion, and per node (its expansion, its first sibling).
-        # A node's own q (q without its earlier siblings) is built in `select` for kept
-        # nodes only: the candidates number many times the budget, each a vocabulary long.
-        self.dists: list[torch.Tensor] = []
-        self.family: list[tuple[int, int]] = []
 
     def _add(self, node: int, token: int, logprob: float) -> None:
         base, level = (self.score[node], self.depth[node] + 1) if node >= 0 else (0.0, 1)
@@ -256,42 +273,12 @@ class TreeCandidates:
         for logprob, token in zip(top.values.tolist(), draft_ids[top.indices].tolist()):
             self._add(node, token, logprob)
 
-    def add_sampled_children(self, node: int, q: torch.Tensor, k: int, generator=None) -> None:
-        """Up to `k` children drawn from q [V] without replacement (Gumbel top-k), each
-        recording q without its earlier siblings, renormalised, as the decoder's multi-draft
-        rejection sampling needs. Only `fill_tree` calls it, into a shape chosen before the
-        draw (see there).
-
-        Why not EAGLE-2's deterministic top-k here: under sampling a deterministic child is
-        accepted with probability p(x), so `k` of them catch at most the target's top-k
-        mass, while a child drawn from q is accepted with probability sum min(p, q) -- more
-        when the target's sampling distribution is flat. A node's first drawn child is
-        distributed as the chain's draft from that node, and its siblings only add chances.
-        Measured on the demo's EAGLE-3 (seed 0) over 16 held-out prompts at temperature 0.7,
-        top-p 0.8, top-k 20 (15 nodes): tau 2.19 with drawn children, 1.96 with top-4
-        children, 2.04 for the chain; first-position acceptance 0.71, 0.56 and 0.49."""
-        u = torch.rand(q.shape, generator=generator, device=q.device).clamp_(1e-20, 1.0)
-        keys = q.log() - (-u.log()).log()  # log q + Gumbel noise; -inf where q is 0
-        count = min(k, int((q > 0).sum()))
-        family = (len(self.dists), len(self))
-        self.dists.append(q)
-        for token in keys.topk(count).indices.tolist():
-            self.family.append(family)
-            self._add(node, token, float(q[token].log()))
-
-    def drawn_from(self, n: int) -> torch.Tensor:
-        """The q node n was drawn from: its expansion's q without its earlier siblings."""
-        dist, first = self.family[n]
-        q = self.dists[dist].clone()
-        q[self.token[first:n]] = 0.0
-        return q / q.sum()
-
     def cutoff(self, budget: int) -> float:
         """The `budget`-th best score so far (-inf while there are fewer nodes): a node
         scoring below it, and so every node under it, is never selected."""
         if len(self) < budget:
             return float("-inf")
-        return sorted(self.score, reverse=True)[budget - 1]
+        return heapq.nlargest(budget, self.score)[-1]
 
     def select(self, budget: int) -> Draft:
         """The `budget` best nodes whose parents are also kept, in BFS order. A child never
@@ -309,5 +296,4 @@ class TreeCandidates:
         index[-1] = -1
         tokens = torch.tensor([self.token[n] for n in kept], dtype=torch.long)
         parents = torch.tensor([index[self.parent[n]] for n in kept], dtype=torch.long)
-        probs = torch.stack([self.drawn_from(n) for n in kept]) if self.dists and kept else None
-        return Draft(tokens, parents, probs)
+        return Draft(tokens, parents)

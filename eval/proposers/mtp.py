@@ -58,9 +58,8 @@ class MTPProposer:
             raise DraftsmithError(f"MTP drafting mode {mode!r} does not exist (modes: {', '.join(MODES)})")
         self.name, self.mode = name, mode
         self.rows = 0  # block rows run (drafting and settling), for the report
-        self.prompt_rows = 0  # of those, the one-off rows that settle a prompt
+        self.prompt_rows = 0  # of those, the one-off rows that settle a new depth over the prompt
         self.proposals = 0
-        self.first = True  # no proposal yet in this sequence
         self.heads = heads.eval()
         for layer in heads.layers:
             layer.block.self_attn.layer_idx = 0  # one cache per virtual depth, see module doc
@@ -93,7 +92,7 @@ class MTPProposer:
                            position_ids=positions)[0]
 
     def begin(self, prompt_ids, ctx) -> None:
-        self.depths, self.first = [], True
+        self.depths = []
         self.tokens = prompt_ids.clone()
         self.hidden = ctx.hidden[self.capture_layers[0]]
 
@@ -121,8 +120,7 @@ class MTPProposer:
             before = self.rows
             self.depths.append(_Depth(self._layer(len(self.depths) + 1)))
             self._settle(len(self.depths), self.depths[-1], n)
-            if self.first:  # the prompt's rows: paid once per sequence, not per step
-                self.prompt_rows += self.rows - before
+            self.prompt_rows += self.rows - before  # once per sequence (the first proposal), not per step
         return self.depths[m - 1]
 
     @torch.no_grad()
@@ -132,7 +130,6 @@ class MTPProposer:
         self.proposals += 1
         pick = self._engine if self.mode == "engine" else self._exact
         drafts, probs = pick(max_nodes, sampling, generator)
-        self.first = False
         return Draft(torch.stack(drafts), None, torch.stack(probs) if probs else None)
 
     def _draw(self, depth: _Depth, last: torch.Tensor, sampling, generator, drafts: list, probs: list) -> None:
