@@ -20,6 +20,7 @@ from draftsmith.eval.report import (
     check_report_dest,
     distinct_4gram_ratio,
     format_table,
+    loops,
     setting_label,
     setting_name,
     speedup_bound,
@@ -77,16 +78,25 @@ def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Te
     return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
-def _decode_all(decoder, prompts, settings, sampling, progress: str):
+def decode_prompts(decoder, prompts, settings, sampling, progress: str):
+    """Each prompt decoded with its own seed: (per-prompt stats, outputs)."""
     from tqdm.auto import tqdm
 
-    stats, outputs = None, []
+    per_prompt, outputs = [], []
     for i, prompt in enumerate(tqdm(prompts, desc=progress, leave=False, dynamic_ncols=True)):
         generator = torch.Generator(device=decoder.device).manual_seed(settings.seed + i)
         result = decoder.generate(prompt, settings.max_new_tokens, sampling, generator)
         outputs.append(result.tokens.tolist())
-        stats = result.stats if stats is None else stats.merge(result.stats)
-    return stats, outputs
+        per_prompt.append(result.stats)
+    return per_prompt, outputs
+
+
+def merge_stats(stats: list[DecodeStats]) -> DecodeStats | None:
+    """One DecodeStats summing those given (None for none)."""
+    merged = None
+    for s in stats:
+        merged = s if merged is None else merged.merge(s)
+    return merged
 
 
 def _per_pass_ms(stats: DecodeStats, seconds: float) -> float:
@@ -158,9 +168,13 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
     baseline_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **cache)
     for _ in range(warm_ups):
         baseline_decoder.generate(prompts[0][:8], 4, sampling)
-    base_stats, base_out = _decode_all(baseline_decoder, prompts, settings, sampling, "plain decoding")
+    base_runs, base_out = decode_prompts(baseline_decoder, prompts, settings, sampling, "plain decoding")
+    base_stats = merge_stats(base_runs)
     t_target = _per_pass_ms(base_stats, base_stats.verify_s)
     base_tps = _tokens_per_s(base_stats, base_out)
+    # Which prompts' plain text loops: there tau measures copying the loop (report.loops).
+    looping = [loops(o) for o in base_out]
+    steps: dict[str, list[list[int]]] = {}
 
     rows, outputs = [], {"baseline": base_out}
     unique = len({d.name for d in drafters}) == len(drafters)
@@ -168,7 +182,9 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
         decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft, **cache)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)
-        stats, out = _decode_all(decoder, prompts, settings, sampling, f"{spec} t={sampling.temperature:g}")
+        runs, out = decode_prompts(decoder, prompts, settings, sampling, f"{spec} t={sampling.temperature:g}")
+        stats = merge_stats(runs)
+        no_loop = merge_stats([r for r, loop in zip(runs, looping) if not loop])
         if sampling.greedy:
             for i, (mine, plain) in enumerate(zip(out, base_out)):
                 if mine != plain:
@@ -178,6 +194,7 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
         row = {
             "name": drafter.name if unique else spec,
             "spec": spec, "num_draft": num_draft, "tau": stats.tau,
+            "tau_no_loop": no_loop.tau if no_loop is not None else None,
             "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
             "accepted_length_hist": list(stats.accepted_hist),
@@ -190,15 +207,17 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
             row["extra"] = extra()
         rows.append(row)
         outputs[row["name"]] = out
+        steps[row["name"]] = [[r.committed, r.verify_passes] for r in runs]
 
     return {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                      "seed": settings.seed, "cache": settings.cache, "compile": settings.compile},
         "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target,
-                     "distinct_4gram": distinct_4gram_ratio(base_out)},
+                     "distinct_4gram": distinct_4gram_ratio(base_out), "looping_prompts": sum(looping)},
         "drafters": rows,
-        "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()}}
+        "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()},
+                     "loops": looping[i], "steps": {name: s[i] for name, s in steps.items()}}
                     for i, p in enumerate(prompts)],
     }
 

@@ -4,11 +4,14 @@ The results a benchmark hands to `write_report` (report.json is this dict as giv
 
     target:   {path, H, KV, G, tile, D}          the target's tile plan (eval/tile.py)
     settings: {dataset, num_prompts, max_new_tokens, temperature, top_k, top_p, seed}
-    baseline: {tokens_per_s, T_target_ms}        plain decoding: same target, prompts, settings, run
+    baseline: {tokens_per_s, T_target_ms}        plain decoding: same target, prompts, settings, run;
+              optional distinct_4gram, looping_prompts (how many of its texts loop)
     drafters: [{
         name, spec,                              display name; what was loaded (path, method)
         num_draft,                               D, the drafts proposed per verify pass
         tau,                                     committed tokens / verify passes, bonus included
+        tau_no_loop,                             optional: tau over the prompts whose plain text
+                                                 does not loop (None when every one does)
         verify_passes, committed_tokens,
         per_position_acceptance: [D floats],     k = 1..D: fraction of passes accepting draft k
         accepted_length_hist: [D + 1 ints],      [i]: passes that accepted exactly i drafts
@@ -17,7 +20,8 @@ The results a benchmark hands to `write_report` (report.json is this dict as giv
         T_draft_ms, T_verify_ms,                 mean time per verify pass to draft and to verify
         extra: {name: value},                    optional, method-specific (e.g. early_stop_rate)
     }]
-    prompts:  [{prompt_ids: [...], outputs: {drafter name or "baseline": [ids]}}]   optional
+    prompts:  [{prompt_ids: [...], outputs: {drafter name or "baseline": [ids]},
+                loops: bool, steps: {drafter name: [committed, verify passes]}}]   optional
 
 Times are milliseconds. tau follows EAGLE, SGLang, SpecForge, DFlash and Spec-Bench: the
 bonus (or resampled) token counts, so plain decoding scores 1 (docs/design.md section 4).
@@ -54,6 +58,16 @@ TAU_NOTE = (
 )
 
 
+# A prompt whose plain continuation has fewer distinct 4-grams per 4-gram than this loops:
+# half its text repeats what came before (a token repeated or a short cycle scores < 0.1).
+LOOP_RATIO = 0.5
+
+
+def loops(ids: list[int]) -> bool:
+    """Whether a continuation is a loop (`LOOP_RATIO`)."""
+    return distinct_4gram_ratio([ids]) < LOOP_RATIO
+
+
 def distinct_4gram_ratio(outputs: list[list[int]]) -> float:
     """Mean over outputs of distinct 4-grams / 4-grams: near 0 for text that loops, 1 for
     text without a repeated 4-gram. A drafter's tau on a loop measures the loop, not skill."""
@@ -88,6 +102,10 @@ def _text_line(results: dict) -> str:
     if d4 is not None:
         line += (f" Plain decoding's text has {d4:.2f} distinct 4-grams per 4-gram (1: no repeats; "
                  "near 0: a loop, which n-gram lookup copies and no drafter needs to learn).")
+    looping = results["baseline"].get("looping_prompts")
+    if looping is not None:
+        line += (f" On {looping} of the {s['num_prompts']} prompts it loops (under {LOOP_RATIO} distinct "
+                 "4-grams); \"tau, no loop\" counts the other prompts only.")
     return line
 
 
@@ -144,14 +162,18 @@ def format_table(results: dict) -> str:
 def _drafter_table(results: dict) -> str:
     drafters = results["drafters"]
     extras = list(dict.fromkeys(key for d in drafters for key in d.get("extra") or {}))
-    header = ["drafter", "D", "tau", "tokens/s", "speedup", "bound", "T_draft ms", "T_verify ms"]
+    split = any("tau_no_loop" in d for d in drafters)
+    header = ["drafter", "D", "tau", *(["tau, no loop"] if split else []), "tokens/s", "speedup", "bound",
+              "T_draft ms", "T_verify ms"]
     header += [key.replace("_", " ") for key in extras]
     baseline = results["baseline"]
-    rows = [["plain decoding", "0", "1.00", f"{baseline['tokens_per_s']:.1f}", "1.00x", "-", "-", "-"]
-            + ["-"] * len(extras)]
+    rows = [["plain decoding", "0", "1.00", *(["1.00"] if split else []), f"{baseline['tokens_per_s']:.1f}",
+             "1.00x", "-", "-", "-"] + ["-"] * len(extras)]
     for d in drafters:
+        no_loop = d.get("tau_no_loop")
         row = [
-            d["name"], str(d["num_draft"]), f"{d['tau']:.2f}", f"{d['tokens_per_s']:.1f}",
+            d["name"], str(d["num_draft"]), f"{d['tau']:.2f}",
+            *([f"{no_loop:.2f}" if no_loop is not None else "-"] if split else []), f"{d['tokens_per_s']:.1f}",
             f"{d['speedup']:.2f}x", f"{_bound(d, baseline):.2f}x",
             f"{d['T_draft_ms']:.2f}", f"{d['T_verify_ms']:.2f}",
         ]

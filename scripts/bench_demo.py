@@ -70,21 +70,27 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
     summary = {}
     for label in settings:
         taus: dict[str, dict[int, float]] = {}
-        distinct = {}
+        no_loop: dict[str, dict[int, float]] = {}  # prompts whose plain text does not loop
+        distinct, looping = {}, {}
         for seed, reports in sorted(per_seed.items()):
             if label not in reports:
                 raise ValueError(f"seed {seed} has no {label} report")
             report = reports[label]
             distinct[seed] = report["baseline"]["distinct_4gram"]
+            looping[seed] = report["baseline"].get("looping_prompts")
             for row in report["drafters"]:
                 taus.setdefault(row["name"], {})[seed] = row["tau"]
+                if row.get("tau_no_loop") is not None:
+                    no_loop.setdefault(row["name"], {})[seed] = row["tau_no_loop"]
         for name, values in taus.items():
             if len(values) != len(per_seed):
                 raise ValueError(f"{label}: drafter {name} is missing from some seeds' reports")
         summary[label] = {
             "settings": next(iter(per_seed.values()))[label]["settings"],
             "distinct_4gram": _spread(distinct),
+            "looping_prompts": looping,
             "drafters": {name: _spread(values) for name, values in taus.items()},
+            "drafters_no_loop": {name: _spread(values) for name, values in no_loop.items()},
         }
     return summary
 
@@ -95,6 +101,10 @@ def _spread(values: dict[int, float]) -> dict:
             "seeds": {str(k): v for k, v in values.items()}}
 
 
+def _seeds(values: dict) -> str:
+    return " ".join("-" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v) for v in values.values())
+
+
 def markdown(summary: dict, seconds: dict[int, float]) -> str:
     lines = []
     for label, block in summary.items():
@@ -102,11 +112,15 @@ def markdown(summary: dict, seconds: dict[int, float]) -> str:
         d4 = block["distinct_4gram"]
         lines += [f"## {label}: {sampling}", "",
                   f"Plain decoding's distinct 4-grams: median {d4['median']:.2f} "
-                  f"(range {d4['min']:.2f} to {d4['max']:.2f}; 1 = no repeats, near 0 = a loop).", "",
-                  "| drafter | tau median | range | per seed |", "| --- | ---: | ---: | --- |"]
+                  f"(range {d4['min']:.2f} to {d4['max']:.2f}; 1 = no repeats, near 0 = a loop). "
+                  f"Prompts whose plain text loops, per seed: {_seeds(block['looping_prompts'])}.", "",
+                  "| drafter | tau median | range | per seed | tau, no loop: median | range | per seed |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | --- |"]
         for name, t in sorted(block["drafters"].items(), key=lambda kv: -kv[1]["median"]):
-            per_seed = " ".join(f"{v:.2f}" for v in t["seeds"].values())
-            lines.append(f"| {name} | {t['median']:.2f} | {t['min']:.2f} to {t['max']:.2f} | {per_seed} |")
+            n = block["drafters_no_loop"].get(name)
+            split = f"{n['median']:.2f} | {n['min']:.2f} to {n['max']:.2f} | {_seeds(n['seeds'])}" if n else "- | - | -"
+            lines.append(f"| {name} | {t['median']:.2f} | {t['min']:.2f} to {t['max']:.2f} | {_seeds(t['seeds'])} "
+                         f"| {split} |")
         lines.append("")
     timed = [v for v in seconds.values() if v]
     if timed:

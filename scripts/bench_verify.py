@@ -310,7 +310,7 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     """Every drafter against plain decoding of the same target and prompts, in one run,
     through eval/evaluate.py's decode loop and eval/report.py's report."""
     from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.evaluate import EvalSettings, _decode_all, _per_pass_ms, _tokens_per_s
+    from draftsmith.eval.evaluate import EvalSettings, _per_pass_ms, _tokens_per_s, decode_prompts, merge_stats
     from draftsmith.eval.proposers.base import GREEDY, NoProposer
     from draftsmith.eval.report import speedup_bound, write_report
     from draftsmith.models.tile import plan_tile
@@ -323,13 +323,15 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     settings = EvalSettings(dataset="random tokens", num_prompts=len(prompts), max_new_tokens=args.new_tokens, seed=0)
     plain = SpeculativeDecoder(target, NoProposer(), num_draft=0, eos_token_id=())
     plain.generate(prompts[0][:8], 4)  # warm-up
-    base_stats, base_out = _decode_all(plain, prompts, settings, GREEDY, "plain decoding")
+    base_runs, base_out = decode_prompts(plain, prompts, settings, GREEDY, "plain decoding")
+    base_stats = merge_stats(base_runs)
     t_target, base_tps = _per_pass_ms(base_stats, base_stats.verify_s), _tokens_per_s(base_stats, base_out)
     rows = []
     for name, drafter in build_drafters(target, target.config._attn_implementation).items():
         decoder = SpeculativeDecoder(target, drafter, num_draft=plan.D, eos_token_id=())
         decoder.generate(prompts[0][:8], 4)  # warm-up
-        stats, out = _decode_all(decoder, prompts, settings, GREEDY, name)
+        runs, out = decode_prompts(decoder, prompts, settings, GREEDY, name)
+        stats = merge_stats(runs)
         t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
         tps = _tokens_per_s(stats, out)
         extra = {"prompts unlike plain": sum(a != b for a, b in zip(out, base_out))}

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from draftsmith.cli import main
+from draftsmith.eval.report import loops
 from draftsmith.train.loop import train
 from tiny_runs import tiny_recipe
 
@@ -40,6 +41,14 @@ def test_report_compares_drafters_side_by_side(runs, tmp_path, capsys):
     for prompt in report["prompts"]:
         outs = prompt["outputs"]
         assert outs["ngram"] == outs["baseline"] == outs["mtp"] == outs["draft_lm"]
+        assert prompt["loops"] == loops(outs["baseline"])
+    # tau over all prompts and over those whose plain text does not loop, from the per-prompt steps.
+    assert report["baseline"]["looping_prompts"] == sum(p["loops"] for p in report["prompts"])
+    for d in report["drafters"]:
+        steps = [p["steps"][d["name"]] for p in report["prompts"]]
+        assert d["tau"] == pytest.approx(sum(c for c, _ in steps) / sum(v for _, v in steps))
+        kept = [s for s, p in zip(steps, report["prompts"]) if not p["loops"]]
+        assert d["tau_no_loop"] == (pytest.approx(sum(c for c, _ in kept) / sum(v for _, v in kept)) if kept else None)
     printed = capsys.readouterr().out
     assert "| ngram" in printed and "report.md" in printed
     assert (out / "report.md").is_file() and (out / "acceptance.png").stat().st_size > 0

@@ -117,6 +117,18 @@ def test_distinct_4grams_tell_a_loop_from_text():
     assert report.distinct_4gram_ratio([loop]) == pytest.approx(2 / 37)
     assert report.distinct_4gram_ratio([list(range(40))]) == 1.0
     assert report.distinct_4gram_ratio([loop, list(range(40))]) == pytest.approx((2 / 37 + 1) / 2)
+    assert report.loops(loop) and not report.loops(list(range(40)))
+    assert report.loops(list(range(10)) + [7] * 30) and not report.loops(list(range(30)) + [7] * 10)
+
+
+def test_markdown_splits_tau_by_whether_the_text_loops(results, tmp_path):
+    results["baseline"].update(distinct_4gram=0.4, looping_prompts=3)
+    results["drafters"][0]["tau_no_loop"] = 1.75
+    results["drafters"][1]["tau_no_loop"] = None  # every prompt looped
+    md = (write_report(results, tmp_path / "report") / "report.md").read_text()
+    assert "On 3 of the 4 prompts it loops" in md
+    assert "| drafter | D | tau | tau, no loop | tokens/s |" in md
+    assert "| eagle3 | 3 | 2.50 | 1.75 |" in md and "| dspark | 5 | 3.25 | - |" in md
 
 
 def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
@@ -136,9 +148,10 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
         for temperature in (0.0, 0.7):
             run = copy.deepcopy(results)
             run["settings"].update(temperature=temperature, top_p=0.8, top_k=20)
-            run["baseline"]["distinct_4gram"] = 0.5 + seed / 10
+            run["baseline"].update(distinct_4gram=0.5 + seed / 10, looping_prompts=seed)
             for row, tau in zip(run["drafters"], taus):
                 row["tau"] = tau + temperature
+                row["tau_no_loop"] = tau / 2
                 row["bound"] = speedup_bound(row["tau"], 25.0, row["T_draft_ms"], row["T_verify_ms"])
             runs.append((f"t{temperature:g}", run))
         folder = tmp_path / f"seed{seed}"
@@ -154,7 +167,8 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
     assert summary["t0"]["distinct_4gram"]["median"] == pytest.approx(0.6)
     text = bench.markdown(summary, {0: 600.0, 1: 700.0, 2: 650.0})
     assert "## t0.7: temperature 0.7, top-p 0.8, top-k 20" in text
-    assert "| eagle3 | 3.00 | 2.00 to 4.00 | 2.00 4.00 3.00 |" in text
+    assert "| eagle3 | 3.00 | 2.00 to 4.00 | 2.00 4.00 3.00 | 1.50 | 1.00 to 2.00 | 1.00 2.00 1.50 |" in text
+    assert "Prompts whose plain text loops, per seed: 0 1 2." in text
     assert "median 650 s" in text
     del per_seed[2]["t0"]["drafters"][0]  # a drafter missing from one seed is an error, not a gap
     with pytest.raises(ValueError, match="eagle3 is missing"):
