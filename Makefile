@@ -4,17 +4,21 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 # One stamp per interpreter: CI installs into a venv per torch version (see .ci/run).
 STAMP ?= .install.stamp
+# The reference implementations tests/test_parity.py runs our exports in; pure-Python wheels
+# installed without their pinned dependencies (specforge pins sglang, a GPU server).
+PARITY_SPEC ?= specforge==0.2.0 dflash==0.1.0
 
 .PHONY: install test test-slow lint demo clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q "setuptools>=64" wheel
 	# No build isolation: deepspeed's setup imports torch, and an isolated build would fetch
 	# a second (CUDA) torch. DS_BUILD_OPS=0 defers its kernels to JIT on first use.
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
+	$(PYTHON) -m pip install -q --no-deps $(PARITY_SPEC)
 	@touch $(STAMP)
 
 test: install

@@ -9,12 +9,19 @@ Accepted records (one per JSON Lines line, or a JSON array of them):
 
 Every record becomes `[{"role": ..., "content": ...}, ...]`. `turns` hold only the user
 side: the assistant replies are what the target generates when the conversation is run.
+
+ShareGPT's speaker names are mapped as SpecForge maps them (human/user; gpt, chatgpt, bing,
+bard, assistant; system). A record with a speaker that maps to none of these (a tool, a
+narrator) is left out and counted in one line at the end: one odd row in a crawl of 100k
+conversations is no reason to refuse the file. (SpecForge drops just the message; dropping
+the record keeps the turns that remain answering each other.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
@@ -24,7 +31,8 @@ Conversation = list[dict[str, str]]
 SHAPES = ("turns", "conversations", "messages", "prompt")
 # Role names as written in the file -> OpenAI roles.
 _SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+    "human": "user", "user": "user", "system": "system",
+    "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "assistant": "assistant",
 }
 _OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 
@@ -53,13 +61,39 @@ def load_conversations(path: str | Path, limit: int | None = None, config: str =
     if not records:
         raise DraftsmithError(f"{path}: no records")
     if not columns:
-        return [_to_messages(record, path, index) for index, record in enumerate(records)]
+        return _all_messages(records, path)
     records = _map_columns(records, columns, path)
     try:
-        return [_to_messages(record, path, index) for index, record in enumerate(records)]
+        return _all_messages(records, path)
     except DraftsmithError as exc:  # say which mapping the rows do not fit
         mapping = ", ".join(f"{shape}: {column}" for shape, column in columns.items())
         raise DraftsmithError(f"{exc} (data.columns {{{mapping}}})") from None
+
+
+class _UnknownRole(Exception):
+    def __init__(self, role):
+        super().__init__(role)
+        self.role = role
+
+
+def _all_messages(records: list[dict], path) -> list[Conversation]:
+    """Every record as messages; records with a role that maps to none are left out and
+    counted in one line on stderr (all of them left out: an error)."""
+    conversations, skipped = [], {}
+    for index, record in enumerate(records):
+        try:
+            conversations.append(_to_messages(record, path, index))
+        except _UnknownRole as exc:
+            skipped.setdefault(repr(exc.role), index)
+    if skipped:
+        n = len(records) - len(conversations)
+        roles = ", ".join(f"{role} (first in record {index})" for role, index in skipped.items())
+        if not conversations:
+            raise DraftsmithError(f"{path}: every record has a role that maps to none of user, assistant, system: "
+                                  f"{roles}")
+        print(f"draftsmith: {path}: skipped {n} of {len(records)} records with a role that maps to none of "
+              f"user, assistant, system: {roles}", file=sys.stderr)
+    return conversations
 
 
 def is_dataset(path: str | Path) -> bool:
@@ -68,7 +102,9 @@ def is_dataset(path: str | Path) -> bool:
     if local.is_dir():
         return True
     text = str(path)
-    return not (local.exists() or local.suffix or text.startswith((".", "/", "~")))
+    # Hub names may hold dots (`org/chats-v1.5`); a data file's suffix says it is a file.
+    file_like = local.suffix.lower() in (".json", ".jsonl", ".parquet", ".csv", ".txt", ".text", ".md")
+    return not (local.exists() or file_like or text.startswith((".", "/", "~")))
 
 
 def _read_dataset(spec: str, config: str, split: str, limit: int | None) -> list[dict]:
@@ -210,7 +246,7 @@ def _list(value, where: str) -> list:
 def _message(message: dict, role_key: str, text_key: str, roles: dict, where: str) -> dict:
     role = message.get(role_key)
     if role not in roles:
-        raise DraftsmithError(f"{where}: unknown role {role!r}; expected one of {', '.join(roles)}")
+        raise _UnknownRole(role)
     return {"role": roles[role], "content": _text(message.get(text_key), where)}
 
 

@@ -137,11 +137,15 @@ def load_dataset_spec(spec: str, split: str = "train", name: str | None = None):
         raise DraftsmithError(f"dataset {spec}: unknown file type {suffix!r} (expected one of {', '.join(_BUILDERS)})")
     if path.is_file() and path.stat().st_size == 0:  # datasets would only say "error while generating"
         raise DraftsmithError(f"dataset {spec} is empty")
+    if not path.exists():
+        from draftsmith.models.hub import dataset_source
+
+        source = dataset_source(spec)  # offline and not in the Hugging Face cache: one line here
     try:
         if path.is_file():
             dataset = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split=split)
-        else:  # a folder of data files, or a hub name when online
-            dataset = datasets.load_dataset(str(path) if path.exists() else spec, name, split=split)
+        else:  # a folder of data files, or a hub name (its cached snapshot, else online)
+            dataset = datasets.load_dataset(str(path) if path.exists() else source, name, split=split)
     except Exception as exc:  # datasets raises many types (hub, schema, Arrow); report the first line
         raise DraftsmithError(f"dataset {spec} (split {split!r}): {first_lines(exc, 1)}") from None
     if len(dataset) == 0:

@@ -10,29 +10,35 @@ The output is the in-process one (data/regenerate.py): one `{"messages": [...]}`
 conversation, in input order, appended to a hidden partial file as the in-order prefix
 grows, renamed to `out_path` when complete; a rerun resumes after the last whole line.
 Requests run on threads, `in_flight` per server, each pulling the next conversation, so a
-faster server takes more. A request that times out or meets a 5xx/429 is retried with
-exponential backoff a bounded number of times; then the run stops with one line, keeping
-what it wrote.
+faster server takes more.
 
-Sampling settings reach the engine in the first request form it accepts (probed once at
+Requests go through the `openai` client (the `serve` extra): the key from OPENAI_API_KEY
+(else VLLM_API_KEY; none: a placeholder), its retries with backoff of timeouts, dropped
+connections, 408/409/429 and 5xx a bounded number of times, after which the run stops with
+one line, keeping what it wrote; any other 4xx stops it at once with one line naming the
+request. Proxy variables are not read (the servers are on the cluster network), and neither
+is OPENAI_BASE_URL: the URLs given are the servers. Start-up checks (the model list, a
+one-token probe) use short timeouts, and every answer's shape is checked, so a server that
+never answers or answers nonsense is one line, not a hang or a traceback.
+
+ReplyDecoding settings reach the engine in the first request form it accepts (probed once at
 start): vLLM/SGLang's extra fields (`top_k`, `stop_token_ids`, `repetition_penalty`),
 then `transformers serve`'s `generation_config` (which refuses unknown fields with 422, so
 the probe tells the two apart), then plain OpenAI fields (no top-k, the server's own stop
 tokens). An engine that silently ignores unknown fields (TGI, say) gets the first form and
-whatever it honours of it; the probe cannot see that.
+whatever it honours of it; the probe cannot see that. Fields beyond the OpenAI API travel in
+the client's `extra_body` (`_forms`, and `chat_template_kwargs` in `ServerClient._body`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,45 +49,38 @@ from tqdm.auto import tqdm
 from draftsmith.data.chat import end_of_turn_ids
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import ensure_writable_dir
+from draftsmith.sampling_params import SamplingParams
 
-RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 # Mixed scripts, digits, code and whitespace: two different tokenizers all but never
 # count the same number of tokens for it (and its chat rendering).
 PROBE = "Probe 1: déjà vu, 東京, ∑x², `def f(a, b):\n\treturn a ** b  # 42`"
-# Whoever sits behind these URLs is on the cluster network: no HTTP proxy in between.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 # ---------------------------------------------------------------- shared with data/regenerate.py
 # (here, in a module that imports no torch, rather than in data/regenerate.py, which does)
 
 @dataclass(frozen=True)
-class Sampling:
-    """How both paths decode a reply."""
-    max_new_tokens: int
-    temperature: float  # 0: greedy
-    top_p: float  # 1: off
-    top_k: int  # 0: off
-    seed: int
-    stop_ids: tuple[int, ...]  # the target's end-of-text and the template's end of turn
-    pad_id: int
+class ReplyDecoding(SamplingParams):
+    """How both paths decode a reply: the sampling, plus its length, seed and stop tokens."""
+    max_new_tokens: int = 1
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # the target's end-of-text and the template's end of turn
+    pad_id: int = 0
 
     def __post_init__(self):
-        if self.max_new_tokens < 1 or self.temperature < 0:
-            raise DraftsmithError(f"regenerate: max_new_tokens ({self.max_new_tokens}) must be positive and "
-                                  f"temperature ({self.temperature}) not negative")
-        if not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
-            raise DraftsmithError(f"regenerate: top_p ({self.top_p}) must be in (0, 1] and top_k ({self.top_k}) "
-                                  f"not negative")
+        super().__post_init__()
+        if self.max_new_tokens < 1:
+            raise DraftsmithError(f"regenerate: max_new_tokens ({self.max_new_tokens}) must be positive")
 
 
-def stop_token_ids(generation_config, tokenizer, chat_template: str | None = None, plain: bool = False) -> list[int]:
+def stop_token_ids(generation_config, tokenizer, chat_template: str | None = None, plain: bool = False,
+                   template_kwargs: dict | None = None) -> list[int]:
     """Where a reply ends: the target's and tokenizer's end-of-text ids and the template's end of turn."""
     ids = generation_config.eos_token_id
     ids = set([ids] if isinstance(ids, int) else ids or [])
     ids |= {tokenizer.eos_token_id} - {None}
     if not plain:
-        ids |= set(end_of_turn_ids(tokenizer, chat_template))
+        ids |= set(end_of_turn_ids(tokenizer, chat_template, template_kwargs))
     return sorted(ids)
 
 
@@ -147,84 +146,141 @@ def _is_json(line: bytes) -> bool:
 
 # ---------------------------------------------------------------- servers
 
+# The key a server started with `--api-key` (vLLM, SGLang) asks for: OPENAI_API_KEY, as every
+# OpenAI client reads it, else VLLM_API_KEY, the variable vLLM's server itself reads. With
+# neither, a placeholder that servers without a key ignore.
+API_KEY_VARS = ("OPENAI_API_KEY", "VLLM_API_KEY")
+# The fields the OpenAI API defines for both endpoints; everything else goes in `extra_body`.
+STANDARD_FIELDS = ("max_tokens", "temperature", "top_p")
+
+
+def api_key() -> str:
+    return next((os.environ[name] for name in API_KEY_VARS if os.environ.get(name)), "EMPTY")
+
+
 @dataclass(frozen=True)
 class Limits:
     in_flight: int = 16  # requests in flight per server
     timeout: float = 600.0  # seconds per request
-    retries: int = 4  # extra tries of a request after a timeout, a dropped connection, a 5xx or a 429
-    backoff: float = 1.0  # seconds before the first retry; doubles each time, at most 30
-
-
-class _Transient(Exception):
-    """A failure worth retrying: the server may be busy, restarting or briefly gone."""
+    # Extra tries of a request after a timeout, a dropped connection, a 408/409/429 or a 5xx, with
+    # the openai client's backoff (0.5 s doubling to 8 s, or the server's Retry-After up to 2 min).
+    retries: int = 4
+    # The start-up requests (model list, probe) ask for one short token: a server that takes the
+    # connection and never answers is one line within a minute, not after `timeout` per try.
+    startup_timeout: float = 30.0
+    startup_retries: int = 1
 
 
 class _Refused(Exception):
     """The server answered 4xx: the request itself is wrong for it; retrying cannot help."""
 
 
+def server_root(url: str) -> str:
+    """`url` without a trailing /v1 (both spellings are in use); anything but http(s) is one line."""
+    text = str(url).strip()
+    parts = urllib.parse.urlsplit(text)
+    try:
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        parts = parts._replace(scheme="")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise DraftsmithError(f"server {text!r}: not an http(s) URL (expected http://HOST:PORT or "
+                              f"http://HOST:PORT/v1)")
+    return text.rstrip("/").removesuffix("/v1")
+
+
 class Endpoint:
-    """One server: JSON over HTTP with bounded retries."""
+    """One server through the `openai` client: its key, timeouts, retries and backoff; the
+    answers come back as the JSON the server sent, checked by the caller (`_reply_text`)."""
 
     def __init__(self, url: str, limits: Limits):
-        self.url = url.rstrip("/").removesuffix("/v1")
-        self.limits = limits
-
-    def call(self, path: str, body: dict | None = None, retries: int | None = None) -> dict:
-        retries = self.limits.retries if retries is None else retries
-        for attempt in range(retries + 1):
-            try:
-                return self._once(path, body)
-            except _Transient as exc:
-                last = exc
-                if attempt < retries:
-                    time.sleep(min(self.limits.backoff * 2 ** attempt, 30.0))
-        raise DraftsmithError(f"server {self.url}: {last} (gave up after {retries + 1} tries)")
-
-    def _once(self, path: str, body: dict | None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        self.url, self.limits = server_root(url), limits
         try:
-            with _OPENER.open(request, timeout=self.limits.timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            detail = _detail(exc)
-            if exc.code in RETRY_STATUS:
-                raise _Transient(f"HTTP {exc.code} on {path}: {detail}") from None
-            raise _Refused(f"HTTP {exc.code} on {path}: {detail}") from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", None) or exc
-            raise _Transient(f"unreachable on {path} ({reason})") from None
-        except ValueError:  # a body that is not JSON: a proxy's error page, a half-sent reply
-            raise _Transient(f"answered {path} with something that is not JSON") from None
+            import openai
+        except ImportError:
+            raise DraftsmithError('regeneration through servers needs the openai client: '
+                                  'pip install "draftsmith[serve]"') from None
+        # trust_env=False: no proxy from the environment; these URLs are on the cluster network.
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key(), max_retries=limits.retries,
+                                    timeout=limits.timeout, http_client=openai.DefaultHttpxClient(trust_env=False))
+        self.startup = self.client.with_options(timeout=limits.startup_timeout,
+                                                max_retries=min(limits.startup_retries, limits.retries))
+
+    def call(self, path: str, body: dict | None = None, startup: bool = False):
+        """The JSON answer to `/v1{path}` ("/models", "/chat/completions" or "/completions");
+        `body` holds the request's fields, the non-standard ones under "extra_body". A 4xx
+        raises `_Refused`; anything else that fails is a DraftsmithError naming the server."""
+        import openai
+
+        client = self.startup if startup else self.client
+        where, tries = f"/v1{path}", client.max_retries + 1
+        try:
+            raw = self._send(client, path, body)
+        except openai.APITimeoutError:
+            raise DraftsmithError(f"server {self.url}: no answer on {where} within {client.timeout:g} s "
+                                  f"(gave up after {tries} tries)") from None
+        except openai.APIConnectionError as exc:
+            reason = " ".join(str(exc.__cause__ or exc).split())[:200]
+            raise DraftsmithError(f"server {self.url}: unreachable on {where} ({reason}) "
+                                  f"(gave up after {tries} tries)") from None
+        except openai.APIStatusError as exc:
+            status = f"HTTP {exc.status_code} on {where}: {_detail(exc.response)}"
+            if exc.status_code in (401, 403):
+                status += f" (the key is read from {' or '.join(API_KEY_VARS)})"
+            if exc.status_code in (408, 409, 429) or exc.status_code >= 500:  # what the client retried
+                raise DraftsmithError(f"server {self.url}: {status} (gave up after {tries} tries)") from None
+            raise _Refused(status) from None
+        try:
+            return json.loads(raw.http_response.content)
+        except ValueError:  # a proxy's page or a half-written answer, sent with status 200
+            raise DraftsmithError(f"server {self.url}: answered {where} with something that is not JSON: "
+                                  f"{_short(raw.http_response.text)}") from None
+
+    @staticmethod
+    def _send(client, path: str, body: dict | None):
+        if path == "/models":
+            return client.models.with_raw_response.list()
+        fields = dict(body)
+        extra = fields.pop("extra_body", None) or None
+        api = client.chat.completions if path == "/chat/completions" else client.completions
+        return api.with_raw_response.create(**fields, extra_body=extra)
 
 
-def _detail(exc: urllib.error.HTTPError) -> str:
+def _short(text) -> str:
+    return " ".join(str(text).split())[:300]
+
+
+def _detail(response) -> str:
+    """What an error answer says: its message when it is JSON, else its text."""
     try:
-        body = json.loads(exc.read() or b"{}")
-    except (ValueError, OSError):
-        return exc.reason or ""
-    detail = body.get("detail") or body.get("error") or body.get("message") or body
+        body = response.json()
+    except ValueError:
+        return _short(response.text or response.reason_phrase)
+    detail = body
+    if isinstance(body, dict):
+        detail = body.get("detail") or body.get("error") or body.get("message") or body
     if isinstance(detail, dict):
         detail = detail.get("message") or detail
-    return " ".join(str(detail).split())[:300]
+    return _short(detail)
 
 
-def _forms(sampling: Sampling, max_tokens: int) -> dict[str, dict]:
-    """The request fields that carry `sampling`, per engine family, most complete first."""
+def _forms(sampling: ReplyDecoding, max_tokens: int) -> dict[str, dict]:
+    """The request fields that carry `sampling`, per engine family, most complete first;
+    the engines' own fields under "extra_body"."""
     base = {"max_tokens": max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
     # vLLM and SGLang: -1 is "no top-k" in both; the repetition penalty is pinned because a
     # model's generation_config may suggest one, and it would change the distribution.
-    engine = {**base, "top_k": sampling.top_k or -1, "stop_token_ids": list(sampling.stop_ids),
-              "repetition_penalty": 1.0, "skip_special_tokens": True}
+    engine = {"top_k": sampling.top_k or -1, "stop_token_ids": list(sampling.stop_ids), "repetition_penalty": 1.0,
+              "skip_special_tokens": True}
     config = {"max_new_tokens": max_tokens, "do_sample": sampling.temperature > 0, "top_k": sampling.top_k,
               "top_p": sampling.top_p, "repetition_penalty": 1.0, "eos_token_id": list(sampling.stop_ids),
               "pad_token_id": sampling.pad_id}
     if sampling.temperature > 0:
         config["temperature"] = sampling.temperature
-    forms = {"vllm/sglang": engine, "transformers": {**base, "generation_config": json.dumps(config)}}
+    forms = {"vllm/sglang": {**base, "extra_body": engine},
+             "transformers": {**base, "extra_body": {"generation_config": json.dumps(config)}}}
     if not sampling.top_k:  # plain OpenAI has no top-k: usable only when none is asked for
-        forms["openai"] = base
+        forms["openai"] = {**base, "extra_body": {}}
     return forms
 
 
@@ -242,6 +298,18 @@ def target_names(*targets: str | Path) -> tuple[set[str], set[str]]:
     return names, bases
 
 
+def _count(usage, key: str, where: str) -> int | None:
+    """A token count of an answer's `usage` (None: not reported); anything but a count is malformed."""
+    if usage is None:
+        return None
+    if not isinstance(usage, dict):
+        raise DraftsmithError(f"{where}: a malformed answer: usage is {_short(usage)[:100]}, not an object")
+    value = usage.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise DraftsmithError(f"{where}: a malformed answer: usage.{key} is {value!r}, not a token count")
+    return value
+
+
 class ServerClient:
     """One checked server: the model id it serves the target under, and the request form.
 
@@ -253,16 +321,20 @@ class ServerClient:
     is checked by name only.
     """
 
-    def __init__(self, url: str, target: tuple[str, ...], tokenizer, plain: bool, sampling: Sampling,
-                 limits: Limits):
+    def __init__(self, url: str, target: tuple[str, ...], tokenizer, plain: bool, sampling: ReplyDecoding,
+                 limits: Limits, template_kwargs: dict | None = None):
         self.endpoint, self.plain, self.sampling = Endpoint(url, limits), plain, sampling
+        self.template_kwargs = dict(template_kwargs or {})  # enable_thinking, as the recipe decided
         self.tokenizer, self.lock = tokenizer, threading.Lock()
-        # Startup: a missing server should be one line soon, not after a long backoff.
         try:
-            listed = self.endpoint.call("/v1/models", retries=min(limits.retries, 2))
+            listed = self.endpoint.call("/models", startup=True)
         except _Refused as exc:
             raise DraftsmithError(f"server {self.endpoint.url}: no OpenAI model list ({exc})") from None
-        ids = [str(m.get("id")) for m in listed.get("data", []) if isinstance(m, dict)]
+        models = listed.get("data") if isinstance(listed, dict) else None
+        if not isinstance(models, list):
+            raise DraftsmithError(f"server {self.endpoint.url}: /v1/models answered {_short(listed)[:100]}, "
+                                  f"not an OpenAI model list")
+        ids = [str(m.get("id")) for m in models if isinstance(m, dict)]
         names, bases = target_names(*target)
         exact = [i for i in ids if i.rstrip("/") in names]
         same_base = [i for i in ids if Path(i.rstrip("/")).name in bases]
@@ -274,10 +346,14 @@ class ServerClient:
 
     def _body(self, prompt, form: dict, seed: int) -> dict:
         key = "prompt" if self.plain else "messages"
-        return {"model": self.model, key: prompt, **form, "seed": seed}
+        extra = dict(form["extra_body"])
+        if self.template_kwargs and not self.plain:  # vLLM and SGLang hand them to the template (Qwen3's enable_thinking)
+            extra["chat_template_kwargs"] = self.template_kwargs
+        return {"model": self.model, key: prompt, **{k: form[k] for k in STANDARD_FIELDS}, "seed": seed,
+                "extra_body": extra}
 
     def _path(self) -> str:
-        return "/v1/completions" if self.plain else "/v1/chat/completions"
+        return "/completions" if self.plain else "/chat/completions"
 
     def _probe(self) -> dict:
         """The first request form the server takes; and the tokenizer check: the server must
@@ -286,46 +362,54 @@ class ServerClient:
         refused = []
         for name, form in _forms(self.sampling, 1).items():
             try:
-                reply = self.endpoint.call(self._path(), self._body(prompt, form, self.sampling.seed),
-                                           retries=min(self.endpoint.limits.retries, 2))
+                reply = self.endpoint.call(self._path(), self._body(prompt, form, self.sampling.seed), startup=True)
             except _Refused as exc:
                 refused.append(f"{name}: {exc}")
                 continue
+            self._reply_text(reply, "the probe")
             self._check_tokenizer(prompt, reply)
             return _forms(self.sampling, self.sampling.max_new_tokens)[name]
         raise DraftsmithError(f"server {self.endpoint.url} refuses every request form: {'; '.join(refused)}")
 
     def _check_tokenizer(self, prompt, reply: dict) -> None:
-        served = (reply.get("usage") or {}).get("prompt_tokens")
+        served = _count(reply.get("usage"), "prompt_tokens", f"server {self.endpoint.url}, the probe")
         if served is None:  # nothing to compare: the model id is all that was checked
             return
         if self.plain:
             local = len(self.tokenizer(prompt)["input_ids"])
         else:
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                      **self.template_kwargs)
             local = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if served != local:
             raise DraftsmithError(f"server {self.endpoint.url} ({self.model}) counts {served} prompt tokens for a "
                                   f"probe the target's tokenizer makes {local} of: another tokenizer or chat template")
 
-    def complete(self, history: list[dict], seed: int) -> tuple[str, int]:
-        """The reply to `history` and its token count."""
-        prompt = "".join(m["content"] for m in history) if self.plain else history
-        try:
-            reply = self.endpoint.call(self._path(), self._body(prompt, self.form, seed))
-        except _Refused as exc:  # e.g. a prompt longer than the server's context
-            raise DraftsmithError(f"server {self.endpoint.url}: {exc}") from None
+    def _reply_text(self, reply, request: str) -> str:
+        """The text of an answer, whose shape is checked: a malformed one is one line."""
+        where = f"server {self.endpoint.url}, {request}"
         try:
             choice = reply["choices"][0]
             text = choice["text"] if self.plain else choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
-            raise DraftsmithError(f"server {self.endpoint.url}: a reply without choices: {str(reply)[:200]}") from None
-        text = text or ""
-        tokens = (reply.get("usage") or {}).get("completion_tokens")
+            raise DraftsmithError(f"{where}: an answer without choices: {_short(reply)[:200]}") from None
+        if text is not None and not isinstance(text, str):
+            raise DraftsmithError(f"{where}: a malformed answer: its text is {_short(text)[:100]}, not a string")
+        return text or ""
+
+    def complete(self, history: list[dict], seed: int, request: str = "a request") -> tuple[str, int]:
+        """The reply to `history` and its token count; `request` names it in errors."""
+        prompt = "".join(m["content"] for m in history) if self.plain else history
+        try:
+            reply = self.endpoint.call(self._path(), self._body(prompt, self.form, seed))
+        except _Refused as exc:  # e.g. a prompt longer than the server's context
+            raise DraftsmithError(f"server {self.endpoint.url}, {request}: {exc}") from None
+        text = self._reply_text(reply, request)
+        tokens = _count(reply.get("usage"), "completion_tokens", f"server {self.endpoint.url}, {request}")
         if tokens is None:
             with self.lock:  # a Rust tokenizer is not to be used by two threads at once
                 tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return text, int(tokens)
+        return text, tokens
 
 
 def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool) -> list[int]:
@@ -348,7 +432,8 @@ def answer_conversation(client: ServerClient, messages: list[dict], index: int) 
     history, tokens = [], 0
     for turn, asked in enumerate(user_turns(messages, index)):
         history += asked
-        text, n = client.complete(history, _request_seed(client.sampling.seed, index, turn))
+        text, n = client.complete(history, _request_seed(client.sampling.seed, index, turn),
+                                  request=f"conversation {index}, turn {turn + 1}")
         history.append({"role": "assistant", "content": text})
         tokens += n
     return history, tokens
@@ -360,15 +445,15 @@ def _target_identity(target: str | Path):
     servers hold the weights, which may be far larger than this machine's disk."""
     folder = Path(target)
     if folder.is_dir() and any(folder.glob("*.safetensors")):
-        from draftsmith.models.feature_cache import target_fingerprint
+        from draftsmith.data.feature_cache import target_fingerprint
 
         return target_fingerprint(folder)
     return str(target)
 
 
 def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], tokenizer, conversations: list[list[dict]],
-                           out_path: str | Path, sampling: Sampling, plain: bool = False,
-                           limits: Limits = Limits()) -> Path:
+                           out_path: str | Path, sampling: ReplyDecoding, plain: bool = False,
+                           limits: Limits = Limits(), template_kwargs: dict | None = None) -> Path:
     """Write `conversations` with the target's replies, as `regenerate` does, asking `urls`.
 
     `target`: the names a server may list it under, the last one its folder or hub name.
@@ -376,6 +461,8 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
     out_path = Path(out_path)
     if not urls:
         raise DraftsmithError("regenerate: no server given")
+    for url in urls:  # every URL before any request
+        server_root(url)
     if not conversations:
         raise DraftsmithError("regenerate: no conversations given")
     if limits.in_flight < 1:
@@ -383,11 +470,13 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
     for index, messages in enumerate(conversations):  # a bad record fails before any request
         user_turns(messages, index)
     target = (target,) if isinstance(target, (str, Path)) else tuple(target)
-    clients = [ServerClient(url, target, tokenizer, plain, sampling, limits) for url in urls]
+    chat = {"template_kwargs": template_kwargs} if template_kwargs else {}
+    clients = [ServerClient(url, target, tokenizer, plain, sampling, limits, **chat) for url in urls]
     # The key leaves the servers out: a rerun may resume through other ones.
     partial = partial_path(out_path, ["server", _target_identity(target[-1]), len(tokenizer), conversations,
                                       plain, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
-                                      sampling.top_k, sampling.seed, list(sampling.stop_ids)])
+                                      sampling.top_k, sampling.seed, list(sampling.stop_ids)]
+                           + ([template_kwargs] if template_kwargs else []))  # older runs' keys stay
     with resuming(partial, 1, len(conversations)) as done:
         _collect(clients, conversations, partial, done, limits.in_flight)
     os.replace(partial, out_path)
@@ -454,8 +543,9 @@ def _collect(clients: list[ServerClient], conversations: list[list[dict]], parti
 
 
 def sampling_for(target_dir: str | Path, tokenizer, plain: bool, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> Sampling:
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> ReplyDecoding:
     """The in-process regeneration's settings for a server: the same stop tokens and pad."""
     stop = target_stop_ids(target_dir, tokenizer, plain)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
-    return Sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop), pad)
+    return ReplyDecoding(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                         seed=seed, stop_ids=tuple(stop), pad_id=pad)

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.chat import render_text, resolve_template
-from draftsmith.data.regen_server import Sampling, partial_path, resuming, stop_token_ids, user_turns
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file
+from draftsmith.data.chat import chat_format, render_text, resolve_template, thinking_kwargs
+from draftsmith.data.regen_server import ReplyDecoding, partial_path, resuming, stop_token_ids, user_turns
+from draftsmith.errors import DiskFull, DraftsmithError
+from draftsmith.fsutil import atomic_file, check_not_an_input, full_disk_reason, is_disk_full
+from draftsmith.logs import show_progress
 from draftsmith.processes import Processes
 
 
@@ -36,7 +37,7 @@ def embedded_conversations(count: int, max_chars: int = 512, split: str = "train
 
 @torch.inference_mode()
 def _generate(target, tokenizer, prompts: list[str], indices: list[int], template: str | None,
-              how: Sampling) -> list[str]:
+              how: ReplyDecoding) -> list[str]:
     # Left padding keeps every prompt's last token at the end, where generation continues.
     batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt",
                       add_special_tokens=template is None).to(target.device)  # templates write their own BOS
@@ -68,7 +69,7 @@ def _check_context(target, lengths: list[int], indices: list[int], max_new_token
 
 
 def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, template: str | None,
-            how: Sampling) -> list[list[dict]]:
+            how: ReplyDecoding, template_kwargs: dict) -> list[list[dict]]:
     """The conversations of one batch with every assistant turn written by the target."""
     turns = [user_turns(messages, first_index + k) for k, messages in enumerate(batch)]
     histories: list[list[dict]] = [[] for _ in batch]
@@ -76,8 +77,8 @@ def _answer(target, tokenizer, batch: list[list[dict]], first_index: int, templa
         active = [k for k, conv in enumerate(turns) if t < len(conv)]
         for k in active:
             histories[k] += turns[k][t]
-        prompts = [render_text(tokenizer, histories[k], template, add_generation_prompt=template is not None)
-                   for k in active]
+        prompts = [render_text(tokenizer, histories[k], template, add_generation_prompt=template is not None,
+                               template_kwargs=template_kwargs) for k in active]
         replies = _generate(target, tokenizer, prompts, [first_index + k for k in active], template, how)
         for k, reply in zip(active, replies):
             histories[k].append({"role": "assistant", "content": reply})
@@ -92,13 +93,15 @@ def _rank_file(base: Path, rank: int, world: int) -> Path:
 def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path,
                max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
                chat_template: str | None = None, plain: bool = False, top_p: float = 1.0, top_k: int = 0,
-               processes: Processes | None = None) -> Path:
+               processes: Processes | None = None, enable_thinking: bool | None = None) -> Path:
     """Write `conversations` to `out_path` (JSON Lines of `{"messages": [...]}`) with target replies.
 
     `temperature` 0 decodes greedily; above 0 it samples from the target's distribution at
     that temperature, restricted by `top_k` (0: off) and `top_p` (1: off), seeded per batch
     from `seed`, so the same seed gives the same file. `plain=True`
     prompts with the concatenated contents instead of the chat template (see data/chat.py).
+    `chat_template` is template text (None: the tokenizer's); `enable_thinking` reaches
+    templates with the switch (unset: off; see `thinking_kwargs`).
     `processes` (draftsmith/processes.py) deals the batches to the processes of a launch, each
     writing its own partial file; the main process merges them into `out_path`.
     """
@@ -108,15 +111,18 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
     if batch_size < 1:
         raise DraftsmithError(f"regenerate: batch_size ({batch_size}) must be positive")
     template = None if plain else resolve_template(tokenizer, chat_template)
-    stop_ids = stop_token_ids(target.generation_config, tokenizer, chat_template, plain)
+    template_kwargs = thinking_kwargs(template, enable_thinking)
+    stop_ids = stop_token_ids(target.generation_config, tokenizer, chat_template, plain, template_kwargs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    how = Sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_ids), pad_id)
+    how = ReplyDecoding(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                        stop_ids=tuple(stop_ids), pad_id=pad_id)
     for index, messages in enumerate(conversations):  # a bad record fails before a partial file exists
         user_turns(messages, index)
     # The embedding sum tells a retrained target from the one that wrote an old partial file.
     weights = float(target.get_input_embeddings().weight.detach().double().sum())
     base = partial_path(out_path, [getattr(target, "name_or_path", ""), weights, conversations, max_new_tokens,
-                                   temperature, seed, batch_size, template, top_p, top_k])
+                                   temperature, seed, batch_size, template, top_p, top_k]
+                        + ([template_kwargs] if template_kwargs else []))  # the key of older runs stays
     procs = processes or Processes()
     total = len(conversations)
     starts = [s for s in range(0, total, batch_size) if procs.mine(s // batch_size)]
@@ -125,8 +131,14 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
     with resuming(partial, batch_size, mine) as done:
         # Whole batches are done, or all of this process's (its last batch may be short).
         todo = starts[len(starts) if done >= mine else done // batch_size:]
-        _append_batches(target, tokenizer, conversations, partial, done, template, how, batch_size, todo, mine,
-                        show=procs.main)
+        try:
+            _append_batches(target, tokenizer, conversations, partial, done, template, how, batch_size, todo, mine,
+                            show=procs.main, template_kwargs=template_kwargs)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            raise DiskFull(f"cannot write {partial}: the disk is full ({full_disk_reason(exc)}); the answers "
+                           "written before are kept there: rerun the same command to resume") from None
     if procs.world == 1:
         os.replace(partial, out_path)
         return out_path
@@ -156,14 +168,16 @@ def _merge_processes(base: Path, world: int, batch_size: int, total: int, out_pa
 
 
 def _append_batches(target, tokenizer, conversations, partial: Path, done: int, template: str | None,
-                    how: Sampling, batch_size: int, starts: list[int], total: int, show: bool = True) -> None:
+                    how: ReplyDecoding, batch_size: int, starts: list[int], total: int, show: bool = True,
+                    template_kwargs: dict | None = None) -> None:
     with partial.open("a", encoding="utf-8") as handle, \
-            tqdm(total=total, initial=done, desc="regenerate", unit="conv", disable=not show) as bar:
+            tqdm(total=total, initial=done, desc="regenerate", unit="conv",
+                 disable=not show or not show_progress()) as bar:
         for start in starts:
             batch = conversations[start:start + batch_size]
             with torch.random.fork_rng(devices=[target.device] if target.device.type == "cuda" else []):
                 torch.manual_seed(how.seed + start)
-                answered = _answer(target, tokenizer, batch, start, template, how)
+                answered = _answer(target, tokenizer, batch, start, template, how, template_kwargs or {})
             handle.write("".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in answered))
             handle.flush()
             os.fsync(handle.fileno())
@@ -174,20 +188,24 @@ def regenerate_command(target: str, dataset: str | None, out: str, max_new_token
                        temperature: float = 0.0, batch_size: int = 8, limit: int | None = None,
                        seed: int = 0, top_p: float = 1.0, top_k: int = 0, servers: list[str] = (),
                        in_flight: int = 16, target_name: str = "", dataset_config: str = "",
-                       dataset_split: str = "", columns: dict[str, str] | None = None) -> Path:
+                       dataset_split: str = "", columns: dict[str, str] | None = None, chat_template: str = "",
+                       enable_thinking: bool | None = None) -> Path:
     """`draftsmith data regenerate`: a target folder (with its tokenizer) answers a conversation file.
 
     With no dataset, the prompts are `limit` (default 256) excerpts of the embedded corpus
     and the target continues them as plain text, as it was pretrained. With `servers`, the
     target is not loaded: the servers (which must serve it, as `target_name` or its folder)
-    answer; else every process of an `accelerate launch` answers its share.
+    answer; else every process of an `accelerate launch` answers its share. `chat_template`
+    (a file or built-in name) and `enable_thinking` are the recipe's `data.` keys of those names.
     """
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.tokenizer import load_pretrained_tokenizer
+    from draftsmith.data.tokenizer import check_fits, load_pretrained_tokenizer
     from draftsmith.models.target import load_target
     from draftsmith.processes import current_processes
 
+    check_not_an_input(out, {"--dataset": dataset, "--target": target})  # before any answer is generated
     tokenizer = load_pretrained_tokenizer(target)
+    template, template_kwargs = chat_format(tokenizer, chat_template, enable_thinking, plain=not dataset)
     if dataset:
         conversations = load_conversations(dataset, limit, config=dataset_config, split=dataset_split,
                                            columns=columns)
@@ -201,10 +219,12 @@ def regenerate_command(target: str, dataset: str | None, out: str, max_new_token
         sampling = sampling_for(target, tokenizer, not dataset, max_new_tokens, temperature, top_p, top_k, seed)
         return regenerate_via_servers(list(servers), tuple(n for n in (target_name, str(target)) if n), tokenizer,
                                       conversations, out, sampling, plain=not dataset,
-                                      limits=Limits(in_flight=in_flight))
+                                      limits=Limits(in_flight=in_flight), template_kwargs=template_kwargs)
     processes = current_processes()
     model = load_target(target, device=processes.device or ("cuda" if torch.cuda.is_available() else None))
+    check_fits(tokenizer, model.get_input_embeddings().num_embeddings, target, target)
     return regenerate(model, tokenizer, conversations, out, max_new_tokens=max_new_tokens,
                       temperature=temperature, seed=seed, batch_size=batch_size, plain=not dataset,
-                      top_p=top_p, top_k=top_k, processes=processes)
+                      top_p=top_p, top_k=top_k, processes=processes, chat_template=template,
+                      enable_thinking=template_kwargs.get("enable_thinking"))
 

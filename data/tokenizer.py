@@ -87,3 +87,11 @@ def load_pretrained_tokenizer(source: str | Path, what: str = "target"):
         return AutoTokenizer.from_pretrained(text)
     except Exception as exc:
         raise DraftsmithError(f"cannot load the tokenizer of {what} {source}: {first_lines(exc)}") from None
+
+
+def check_fits(tokenizer, vocab_size: int | None, source, target) -> None:
+    """Refuse a tokenizer with more tokens than the target's vocabulary: its high ids would
+    index past the embedding, an error deep inside a forward pass."""
+    if vocab_size and len(tokenizer) > vocab_size:
+        raise DraftsmithError(f"the tokenizer of {source} has {len(tokenizer)} tokens, more than the {vocab_size} "
+                              f"of target {target}'s vocabulary; use the target's own tokenizer")

@@ -7,11 +7,12 @@ that escapes is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.registry import METHODS, export_formats, posthoc, proposer_names
+from draftsmith.registry import METHODS, decode_options, export_formats, import_ref, posthoc, proposer_names
 
 
 def pick(flag, default):
@@ -27,7 +28,7 @@ def _train(args) -> int | None:
         from draftsmith.train.launch import launch, launch_argv
 
         argv = launch_argv(args.accelerate_config, args.recipe, args.overrides)
-        print("draftsmith: running", shlex.join(argv), file=sys.stderr, flush=True)
+        logging.getLogger(__name__).info("draftsmith: running %s", shlex.join(argv))
         return launch(argv)
     from draftsmith.train.loop import train
 
@@ -49,37 +50,45 @@ def _plan(args) -> None:
 
 def _eval(args) -> None:
     from draftsmith.eval.evaluate import EvalSettings, evaluate, print_summary
-    from draftsmith.recipe import EvalSection, load_recipe
+    from draftsmith.recipe import DataSection, EvalSection, TargetSection, load_recipe
 
     # A recipe's `eval` section gives the defaults; flags on the command line win.
-    defaults = load_recipe(args.recipe).eval if args.recipe else EvalSection()
+    recipe = load_recipe(args.recipe) if args.recipe else None
+    defaults = recipe.eval if recipe else EvalSection()
+    recipe_data = recipe.data if recipe else DataSection()  # the chat settings the drafters were trained with
+    target = recipe.target if recipe else TargetSection()  # the tile the drafters were sized for
     num_draft = pick(args.num_draft, defaults.num_draft)
     settings = EvalSettings(
         dataset=args.dataset, num_prompts=pick(args.num_prompts, defaults.num_prompts),
         max_new_tokens=pick(args.max_new_tokens, defaults.max_new_tokens),
-        temperatures=args.temperature or [defaults.temperature], top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-        num_draft=None if num_draft == -1 else num_draft, tile=args.tile, prompt_chars=args.prompt_chars,
+        temperatures=args.temperature or [defaults.temperature], top_k=pick(args.top_k, defaults.top_k),
+        top_p=pick(args.top_p, defaults.top_p), seed=pick(args.seed, defaults.seed),
+        num_draft=None if num_draft == -1 else num_draft,  # the flag's -1 is the recipe's null: the tile rule
+        tile=pick(args.tile, target.tile),
+        prompt_chars=args.prompt_chars,
         drafters=args.drafter,
         cache=args.cache, compile=args.compile,
         proposer_options=_proposer_options(args),
+        chat_template=pick(args.chat_template, recipe_data.chat_template),
+        enable_thinking=pick(args.enable_thinking, recipe_data.enable_thinking),
     )
     print_summary(evaluate(args.target, settings, args.out), args.out)
 
 
 def _proposer_options(args) -> dict[str, dict]:
-    """Eval flags that set a method's proposer option for this run."""
+    """The registered decode options given on the command line: method -> {option: value},
+    each value checked by its method's own check (before any model is loaded)."""
     options: dict[str, dict] = {}
-    if args.confidence_threshold is not None:
-        from draftsmith.models.dspark import check_threshold
-
-        threshold = check_threshold(args.confidence_threshold, "--confidence-threshold")
-        options["dspark"] = {"confidence_threshold": threshold}
+    for method, option in decode_options():
+        value = getattr(args, option.name)
+        if value is not None:
+            options.setdefault(method, {})[option.name] = import_ref(option.check, option.flag)(value, option.flag)
     return options
 
 
 def _regenerate(args) -> None:
     from draftsmith.data.regenerate import regenerate_command
-    from draftsmith.models.target import resolve_model_dir
+    from draftsmith.models.target import find_model_dir
     from draftsmith.recipe import Recipe, load_recipe
 
     # A recipe gives the target, the dataset, the servers and the sampling; flags win over it.
@@ -89,7 +98,7 @@ def _regenerate(args) -> None:
     if not target:
         raise DraftsmithError("data regenerate: give --target (or a --recipe with target.path)")
     dataset = pick(args.dataset, data.dataset if data.dataset != "embedded" else None)
-    out = regenerate_command(str(resolve_model_dir(target)), dataset, args.out,
+    out = regenerate_command(str(find_model_dir(target)), dataset, args.out,
                              max_new_tokens=pick(args.max_new_tokens, data.regen_max_new_tokens),
                              temperature=pick(args.temperature, data.regen_temperature),
                              top_p=pick(args.top_p, data.regen_top_p), top_k=pick(args.top_k, data.regen_top_k),
@@ -98,8 +107,16 @@ def _regenerate(args) -> None:
                              in_flight=pick(args.in_flight, data.regen_in_flight), target_name=target,
                              dataset_config=pick(args.dataset_config, data.dataset_config),
                              dataset_split=pick(args.dataset_split, data.dataset_split),
-                             columns=data.columns if args.dataset is None else None)
+                             columns=data.columns if args.dataset is None else None,
+                             chat_template=pick(args.chat_template, data.chat_template),
+                             enable_thinking=pick(args.enable_thinking, data.enable_thinking))
     print(f"wrote {out}")
+
+
+def _prepare(args) -> None:
+    from draftsmith.data.prepare import prepare
+
+    print(f"wrote {prepare(args.name, args.out, limit=args.limit, source=args.source)}")
 
 
 def _cache_hidden(args) -> None:
@@ -120,19 +137,23 @@ def _export(args) -> None:
     from pathlib import Path
 
     from draftsmith.fsutil import check_replaceable
-    from draftsmith.models.export import export_run
-    from draftsmith.models.target import resolve_model_dir
+    from draftsmith.models.export import export_notes, export_run
+    from draftsmith.models.target import find_model_dir
 
     out = Path(args.out).resolve()
-    if out in (Path(args.run_dir).resolve(), Path(resolve_model_dir(args.run_dir)).resolve()):
+    if out in (Path(args.run_dir).resolve(), Path(find_model_dir(args.run_dir)).resolve()):
         raise DraftsmithError(f"--out {args.out} is the folder being exported; give a new folder")
     check_replaceable(args.out, "config.json", "export")  # an existing folder is replaced whole
-    print(f"wrote {export_run(args.run_dir, args.format, args.out)}")
+    written = export_run(args.run_dir, args.format, args.out, dtype=args.dtype)
+    print(f"wrote {written}")
+    for line in export_notes(args.run_dir, args.format, written):  # a layout's caveat, then how to serve it
+        print(line)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Every option's help ends in its default, unless the text already says it in words
-    (a None default means "not given", which the words explain better than "None")."""
+    (a None default means "not given", which the words explain better than "None").
+    Descriptions and epilogs keep their lines (the top-level examples are a table)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -164,14 +185,32 @@ def _recipe_default(key: str) -> str:
     return f"(default: the recipe's {key}, else {getattr(getattr(Recipe(), section), name)!r})"
 
 
+DESCRIPTION = ("Train speculative-decoding drafters (EAGLE-3, DFlash, DSpark, MTP, a draft LM) for a target model,\n"
+               "export them for SGLang and vLLM, and measure them losslessly against plain decoding.\n"
+               "Every command takes --recipe FILE (recipes/) for its defaults; flags win over it.")
+# One example per command, in the order of the real path; tests/test_cli.py parses each line.
+EXAMPLES = """commands, one example each:
+  plan               draftsmith plan meta-llama/Llama-3.1-8B-Instruct
+  data prepare       draftsmith data prepare sharegpt --out data/sharegpt.jsonl
+  data regenerate    draftsmith data regenerate --recipe recipes/llama31_8b/eagle3.yaml --server http://127.0.0.1:8000/v1 --out data/regenerated.jsonl
+  data cache-hidden  draftsmith data cache-hidden --recipe recipes/llama31_8b/eagle3.yaml --out cache/llama31_8b
+  recipe show        draftsmith recipe show --recipe recipes/llama31_8b/eagle3.yaml train.lr=5e-5
+  train              draftsmith train --recipe recipes/llama31_8b/eagle3.yaml --accelerate-config zero2
+  export             draftsmith export runs/llama31_8b/eagle3 --format sglang --out exports/eagle3-sglang
+  eval               draftsmith eval --target meta-llama/Llama-3.1-8B-Instruct --drafter eagle3:runs/llama31_8b/eagle3 --dataset mt-bench --out reports/eagle3
+
+Without a GPU: scripts/demo.sh runs the whole path on a tiny target on CPU."""
+RECIPE_HELP = "a YAML recipe, e.g. recipes/tiny/mtp.yaml (default: none, the built-in recipe)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Subparsers take the parent's class, so every subcommand gets the formatter.
-    parser = _Parser(prog="draftsmith", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="draftsmith", description=DESCRIPTION, epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="train a recipe (also: accelerate launch -m draftsmith.train)")
-    p.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny/mtp.yaml")
+    p = sub.add_parser("train", help="train a recipe (also: accelerate launch -m draftsmith.train --recipe FILE)")
+    p.add_argument("--recipe", default=None, help=RECIPE_HELP)
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides; they win over the recipe")
     p.add_argument("--accelerate-config", default=None, metavar="NAME|FILE",
                    help="run under `accelerate launch --config_file`: a config of recipes/accelerate/ "
@@ -181,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     recipe = sub.add_parser("recipe", help="inspect recipes").add_subparsers(dest="recipe_command", required=True,
                                                                             metavar="STEP")
     p = recipe.add_parser("show", help="print a recipe as train resolves it: every key's value, default and meaning")
-    p.add_argument("recipe", help="a YAML recipe, e.g. recipes/tiny/mtp.yaml")
+    p.add_argument("--recipe", default=None, help=RECIPE_HELP)
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides; they win over the recipe")
     p.set_defaults(handler=_recipe_show)
 
@@ -192,32 +231,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=_plan)
 
     p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
-    p.add_argument("--target", required=True, help="the target: a model folder or a training run folder")
+    p.add_argument("--target", required=True, help="the target: a model folder, a training run folder or a hub name")
     p.add_argument("--drafter", action="append", required=True, metavar="SPEC",
                    help="NAME[:PATH], repeatable: " + ", ".join(
                        name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items()))
-    p.add_argument("--dataset", default="embedded", help="a jsonl of turns/conversations/messages/prompt, or 'embedded'")
+    p.add_argument("--dataset", default="embedded",
+                   help="a benchmark by name (" + ", ".join(_benchmarks()) + "; every user turn), a jsonl of "
+                        "turns/conversations/messages/prompt, a dataset folder or hub name, or 'embedded' "
+                        "(default: embedded)")
     p.add_argument("--recipe", default=None, help="take the defaults below from this recipe's eval section "
                                                   "(default: none, the built-in eval defaults)")
-    p.add_argument("--num-prompts", type=int, default=None, help="default 8 (eval.num_prompts)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts, or conversations of a conversation dataset (every user turn of each); "
+                        "default 8 (eval.num_prompts)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (eval.max_new_tokens)")
     p.add_argument("--temperature", type=float, action="append", default=None,
                    help="0 = greedy (checked token for token against plain decoding); repeat for one report each "
                         "(default: eval.temperature, 0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens only (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of mass p (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampled decodes")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only (0: all) "
+                   + _recipe_default("eval.top_k"))
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of mass p (1: all) "
+                   + _recipe_default("eval.top_p"))
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampled decodes " + _recipe_default("eval.seed"))
     p.add_argument("--num-draft", type=int, default=None,
                    help="drafts per verify (default eval.num_draft; -1: the tile rule's D)")
     p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
-    p.add_argument("--tile", type=int, default=128, help="rows of the verify kernel's tile; sizes the tile rule's D")
+    p.add_argument("--tile", type=int, default=None, help="rows of the verify kernel's tile; sizes the tile rule's D "
+                   + _recipe_default("target.tile"))
     p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
                    help="the target's KV cache: dynamic (grows) or static (preallocated, fixed addresses)")
     p.add_argument("--compile", action="store_true",
                    help="compile the verify forward (CUDA graphs on CUDA); needs --cache static")
-    p.add_argument("--confidence-threshold", type=float, default=None, metavar="C",
-                   help="dspark: end a draft before the first position whose confidence is below C, in [0, 1] "
-                        "(default: the checkpoint's; 0 drafts the full block)")
+    for _, option in decode_options():  # each method's own per-run options (registry.py)
+        p.add_argument(option.flag, type=option.type, default=None, metavar=option.metavar or None, help=option.help)
+    _chat_flags(p, "the recipe's data.{}, else ")
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
     p.set_defaults(handler=_eval)
 
@@ -226,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=export_formats(),
                    help="; ".join(f"{'|'.join(s.exports)} for {s.name}" for s in METHODS.values() if s.exports))
     p.add_argument("--out", required=True, help="the folder to write (whole or not at all)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="weights and torch_dtype of the export (default: the target's dtype)")
     p.set_defaults(handler=_export)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True,
@@ -260,9 +309,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None, help="likeliest tokens kept when sampling; 0: off "
                    + _recipe_default("data.regen_top_k"))
     p.add_argument("--batch-size", type=int, default=8, help="prompts answered per generate call")
-    p.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most this many conversations (default: all of --dataset; without one, 256 excerpts "
+                        "of the embedded corpus)")
     p.add_argument("--seed", type=int, default=None, help="seed of sampled answers " + _recipe_default("train.seed"))
+    _chat_flags(p, "the recipe's data.{}, else ")
     p.set_defaults(handler=_regenerate)
+
+    p = data.add_parser("prepare", help="write a dataset the references train on as a messages jsonl")
+    p.add_argument("name", choices=_prepare_names(), help="sharegpt, ultrachat (200k) or perfectblend (DeepSpec's "
+                                                           "DSpark mix)")
+    p.add_argument("--out", required=True, help="the jsonl to write (written whole or not at all)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
+    p.add_argument("--source", default=None, metavar="DIR",
+                   help="a local copy laid out as the hub serves it (default: the Hugging Face cache, else the hub)")
+    p.set_defaults(handler=_prepare)
 
     p = data.add_parser("cache-hidden", help="store the target features a post-hoc method trains on, once "
                                               "(resumable); train with data.feature_cache=OUT")
@@ -281,6 +342,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _benchmarks() -> list[str]:
+    from draftsmith.eval.prompts import BENCHMARKS
+
+    return list(BENCHMARKS)
+
+
+def _prepare_names() -> list[str]:
+    from draftsmith.data.prepare import SOURCES
+
+    return list(SOURCES)
+
+
+def _chat_flags(p, default: str) -> None:
+    """--chat-template and --enable-thinking, the recipe's data keys of those names."""
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_NAME",
+                   help="a Jinja chat template file or a built-in (chatml) (default: "
+                        + default.format("chat_template") + "the tokenizer's)")
+    p.add_argument("--enable-thinking", default=None, action=argparse.BooleanOptionalAction,
+                   help="templates with a thinking switch (Qwen3): think before answering (default: "
+                        + default.format("enable_thinking") + "off where the template has the switch)")
+
+
 def quiet_libraries() -> None:
     """Keep stderr for our one-line errors and our own progress bars: transformers'
     per-load weight bars and its 5.24 `cache=` rename notice only add noise."""
@@ -295,17 +378,59 @@ def quiet_libraries() -> None:
         pass
 
 
+def check_numbers(args) -> None:
+    """The recipe's rule for numbers, for flags: every float finite, a seed in numpy's range
+    (argparse's float() takes "nan" and "inf"; NaN would then pass every range check)."""
+    from draftsmith.fields import finite, seed
+
+    for name, value in vars(args).items():
+        flag = "--" + name.replace("_", "-")
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float):
+                finite(item, flag)
+        if name == "seed" and isinstance(value, int):
+            seed(value, flag)
+
+
+def add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """-v/-q on the command and on every subcommand, before or after its name (draftsmith/logs.py)."""
+    def add(p, default):
+        p.add_argument("-v", "--verbose", action="count", default=default,
+                       help="show debug messages too (default: progress and status)")
+        p.add_argument("-q", "--quiet", action="count", default=default,
+                       help="warnings and errors only, no progress bars; -qq: errors only (default: progress and status)")
+
+    add(parser, 0)
+    todo = [parser]
+    while todo:
+        for action in todo.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    add(sub, argparse.SUPPRESS)  # the command's own count unless given here
+                    todo.append(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from draftsmith.logs import setup_logging
+
     parser = build_parser()
+    add_verbosity(parser)
     args, extra = parser.parse_known_args(argv)
     # argparse ends a `nargs="*"` positional at the first option, so overrides written after
-    # an option (train RECIPE --accelerate-config cpu key=value) arrive here: they are kept.
+    # an option (train --recipe R --accelerate-config cpu key=value) arrive here: they are kept.
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # The recipe is --recipe in every command. Written first without the option, as `train` and
+    # `recipe show` (and `python -m draftsmith.train`) took it before, it is still taken.
+    overrides = getattr(args, "overrides", None)
+    if overrides and getattr(args, "recipe", "") is None and "=" not in overrides[0]:
+        args.recipe = overrides.pop(0)
+    setup_logging(args.verbose, args.quiet)  # first: tqdm reads TQDM_DISABLE (-q) when it is imported
     quiet_libraries()
     try:
+        check_numbers(args)
         status = args.handler(args)  # a launched child's exit status, or None
     except DraftsmithError as exc:
         print(f"draftsmith: error: {exc}", file=sys.stderr)
@@ -313,6 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("draftsmith: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a full disk where no writer of ours said what it kept
+        from draftsmith.fsutil import full_disk_reason, is_disk_full
+
+        if not is_disk_full(exc):
+            raise
+        print(f"draftsmith: error: the disk is full ({full_disk_reason(exc)}); the files finished before "
+              "are intact (each is written whole or not at all)", file=sys.stderr)
+        return 2
     return status or 0
 
 

@@ -10,6 +10,15 @@ class DraftsmithError(Exception):
     """Bad input, reported to the user as one line."""
 
 
+class DiskFull(DraftsmithError):
+    """A write that ran out of space, said in one line with what was kept; `reason` is the
+    system's words, for an outer writer to restate the failure for the file it was writing."""
+
+    def __init__(self, message: str, reason: str = "no space left on device"):
+        super().__init__(message)
+        self.reason = reason
+
+
 def first_lines(exc: BaseException, count: int = 2) -> str:
     """The first `count` non-blank lines of a library's error, joined into one (its type's
     name when it has no message): enough to name the problem without its traceback."""

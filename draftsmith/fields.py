@@ -1,4 +1,6 @@
-"""`option(default, help)`: a dataclass field that carries its meaning.
+"""`option(default, help)`: a dataclass field that carries its meaning; and the one rule
+for the numbers a user gives (`finite`, `seed`), applied by the recipe's type check and by
+the command line's flag check alike.
 
 Recipe sections (draftsmith/recipe.py) and the drafters' config dataclasses (models/)
 both declare their fields with it, so `draftsmith recipe show` can print every key's
@@ -8,8 +10,14 @@ the recipe (models/ depends only on errors, fsutil, registry and this).
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 from typing import Any
+
+from draftsmith.errors import DraftsmithError
+
+# numpy's legacy seeding (which accelerate's set_seed calls) takes 0 .. 2**32 - 1 only.
+SEED_RANGE = (0, 2**32 - 1)
 
 
 def option(default: Any, help: str) -> Any:
@@ -23,3 +31,18 @@ def option(default: Any, help: str) -> Any:
 def help_of(f) -> str:
     """The meaning recorded on a dataclass field ("" when it has none)."""
     return f.metadata.get("help", "")
+
+
+def finite(value: float, key: str) -> float:
+    """`value` if it is a finite number; NaN or infinity would pass every range check
+    (comparisons with NaN are all false) and silently mean something else downstream."""
+    if not math.isfinite(value):
+        raise DraftsmithError(f"{key}: must be a finite number, got {value}")
+    return value
+
+
+def seed(value: int, key: str) -> int:
+    low, high = SEED_RANGE
+    if not low <= value <= high:
+        raise DraftsmithError(f"{key}: must be between {low} and 2**32 - 1, got {value}")
+    return value

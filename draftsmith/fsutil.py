@@ -2,11 +2,15 @@
 
 Everything is written under a temporary sibling name and renamed into place; on any
 error the temporary is removed and whatever was at the destination before is untouched.
+What is written gets the modes `open` and `mkdir` would give under the user's umask
+(tempfile makes its files 0600 and folders 0700, which a server running as another user
+cannot read). A full disk ends in one line saying what was kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -15,7 +19,59 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DiskFull, DraftsmithError
+
+# How a full disk reads: the OS's errors, and torch.save's (its zip writer reports a short
+# write as a RuntimeError: "unexpected pos ...", "file write failed").
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL_WORDS = ("unexpected pos", "file write failed", "no space left", "disk quota")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, DiskFull):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno in _FULL
+    return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _FULL_WORDS)
+
+
+def full_disk_reason(exc: BaseException) -> str:
+    if isinstance(exc, DiskFull):
+        return exc.reason
+    return getattr(exc, "strerror", None) or next(
+        (line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def _disk_full(dest: Path, existed: bool, exc: BaseException) -> DiskFull:
+    kept = f"the previous {dest} is intact" if existed else f"{dest} was not written"
+    return DiskFull(f"cannot write {dest}: the disk is full ({full_disk_reason(exc)}); {kept}",
+                    reason=full_disk_reason(exc))
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (another thread may be creating files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # no /proc: the classic read, set and restore at once
+    os.umask(mask)
+    return mask
+
+
+def user_mode(folder: bool = False) -> int:
+    """The mode `open` (0666) or `mkdir` (0777) gives a new file or folder under the umask."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
+def apply_user_modes(root: str | os.PathLike) -> None:
+    """Give `root` and everything in it the modes `open`/`mkdir` would: libraries that write
+    through a temporary file (safetensors' save_file) leave 0600 behind."""
+    file_mode, dir_mode = user_mode(), user_mode(folder=True)
+    root = Path(root)
+    for path in [root, *root.rglob("*")]:
+        if not path.is_symlink():
+            os.chmod(path, dir_mode if path.is_dir() else file_mode)
 
 
 def ensure_writable_dir(path: str | os.PathLike) -> Path:
@@ -70,10 +126,14 @@ def atomic_dir(dest: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
     ensure_writable_dir(dest.parent)
     clean_stale(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent))
+    existed = dest.exists()
     try:
         yield tmp
-    except BaseException:
+        apply_user_modes(tmp)
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            raise _disk_full(dest, existed, exc) from None
         raise
     if dest.exists() or dest.is_symlink():
         if not replace:
@@ -94,14 +154,77 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
     ensure_writable_dir(dest.parent)
     clean_stale(dest)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=dest.parent)
+    existed = dest.exists()
     try:
+        os.fchmod(fd, user_mode())
         with os.fdopen(fd, mode) as handle:
             yield handle
         os.replace(tmp, dest)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if is_disk_full(exc):
+            raise _disk_full(dest, existed, exc) from None
         raise
+
+
+def check_not_an_input(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None],
+                       flag: str = "--out", folder: bool = False) -> None:
+    """Refuse an output path that is one of the command's inputs (writing it would replace
+    what it reads), or a folder where a file is meant, before any work is done."""
+    out = Path(out)
+    for name, source in inputs.items():
+        if not source or not (Path(source).exists() or Path(source).is_symlink()):
+            continue  # a hub name or nothing: not a file here
+        same = out.resolve() == Path(source).resolve()
+        with contextlib.suppress(OSError):
+            same = same or os.path.samefile(out, source)  # another name (a hard link) of the same file
+        if same:
+            raise DraftsmithError(f"{flag} {out} is the {name} being read; writing it would replace it: "
+                                  "give another path")
+    if not folder and out.is_dir():
+        raise DraftsmithError(f"{flag} {out} is a folder; give the path of a file to write")
+
+
+class FolderInUse(DraftsmithError):
+    """Another live process holds a folder's lock."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, what: str = "folder") -> Iterator[int | None]:
+    """Hold `folder`/.lock for the block, so that a second process writing the same folder
+    refuses in one line instead of interleaving its files with ours.
+
+    The lock is an flock on the file (released by the kernel when its holder dies, even by
+    kill -9), and the file records the holder's pid for the message. Yields the pid of an
+    ended holder whose lock was taken over (None when the lock was free)."""
+    import fcntl
+
+    path = Path(folder) / ".lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, user_mode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FolderInUse(f"{what} {folder} is in use by process {holder} (its lock file {path}); "
+                              "wait for it to end or choose another folder") from None
+        # The holder before us may have removed the file after we opened it: lock the file
+        # that is at the path now, or two processes would each hold a lock of their own.
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        os.close(fd)
+    try:
+        previous = os.read(fd, 32).decode(errors="replace").strip()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield int(previous) if previous.isdigit() and int(previous) != os.getpid() else None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        os.close(fd)
 
 
 def check_replaceable(dest: str | os.PathLike, marker: str, what: str) -> None:
@@ -128,6 +251,9 @@ def read_json(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise DraftsmithError(f"{path} not found")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DraftsmithError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):  # every JSON file we read (configs, manifests, records) is an object
+        raise DraftsmithError(f"{path}: expected a JSON object at the top level, got {type(data).__name__}")
+    return data

@@ -18,7 +18,7 @@ from typing import Any, Union
 import yaml
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option
+from draftsmith.fields import finite, option, seed
 from draftsmith.registry import config_class
 
 
@@ -32,7 +32,8 @@ class TargetSection:
     num_heads: int = option(8, "tiny target: query heads")
     num_kv_heads: int = option(1, "tiny target: KV heads (G = num_heads / num_kv_heads sizes D)")
     intermediate_size: int = option(0, "tiny target: MLP width (0: derived from hidden_size)")
-    max_position_embeddings: int = option(2048, "tiny target: longest sequence it takes")
+    max_position_embeddings: int = option(2048, "tiny target: longest sequence it takes (a target at a path "
+                                                "has its own, which train.seq_len is checked against)")
     dtype: str = option("auto", 'dtype the frozen target is loaded in: auto, float32, bfloat16')
     attn_implementation: str = option("sdpa", "the target's attention: sdpa, eager, flash_attention_2")
     tile: int = option(128, "verify kernel tile rows; sizes D and DFlash's block (docs/design.md section 3)")
@@ -63,15 +64,30 @@ class DataSection:
     columns: dict[str, str] = option({}, "a dataset's columns by shape, e.g. {messages: chosen}; shapes: "
                                          "turns, conversations, messages, prompt")
     feature_cache: str = option("", 'post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded')
+    group_by_length: bool = option(False, "post-hoc methods: batch rows of similar length together, so that "
+                                          "a batch (cut to its longest row) carries little padding")
+    num_proc: int = option(1, "processes that tokenize the conversations (datasets' map num_proc)")
+    chat_template: str = option("", "the target's chat template: empty (the tokenizer's own), a Jinja file, or a "
+                                    "built-in (chatml); it renders regeneration prompts, training rows and eval prompts")
+    # DeepSpec regenerates with --disable-thinking, and SpecForge and z-lab train and score Qwen3
+    # drafters without thinking: unset means off wherever the template has the switch.
+    enable_thinking: bool | None = option(None, "templates with a thinking switch (Qwen3): the target reasons before "
+                                                "answering; unset: off, as the references train; set for a template "
+                                                "without the switch: an error")
 
 
 @dataclass
 class TrainSection:
     output_dir: str = option("runs/default", "the run folder: recipe.yaml, metrics.jsonl, checkpoints/, model/")
     max_steps: int = option(1000, "optimizer steps")
+    num_epochs: float = option(0.0, "passes over the training rows, instead of max_steps (0 there; a recipe "
+                                     "that sets num_epochs and not max_steps trains by epochs)")
+    lr_schedule: str = option("cosine_with_min_lr", "learning-rate schedule: cosine_with_min_lr (cosine to lr * "
+                                                     "min_lr_ratio), or one of transformers' (linear, cosine, "
+                                                     "constant_with_warmup, ...; train/schedule.py)")
     lr: float = option(1e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = option(0.1, 'cosine decays to lr * min_lr_ratio')
-    warmup_ratio: float = option(0.04, "fraction of max_steps spent warming up linearly")
+    min_lr_ratio: float = option(0.1, 'cosine_with_min_lr decays to lr * min_lr_ratio')
+    warmup_ratio: float = option(0.04, "fraction of the run's steps spent warming up linearly")
     weight_decay: float = option(0.0, "AdamW weight decay")
     adam_beta2: float = option(0.95, "AdamW beta2")
     batch_size: int = option(8, 'sequences per device per micro-step')
@@ -80,26 +96,40 @@ class TrainSection:
     clip: float = option(1.0, "gradient norm clip")
     seed: int = option(0, "seed of initialisation, data order and regeneration")
     resume: bool | str = option(False, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
+    overwrite: bool = option(False, "true: a fresh run replaces the run output_dir holds (its checkpoints, model "
+                                    "and metrics); false: such a folder is refused")
     mixed_precision: str = option("auto", 'auto (bf16 where the device has it), no, bf16, fp16')
     eval_every: int = option(100, "validate every this many steps")
     eval_batches: int = option(4, "validation batches per evaluation")
     save_every: int = option(200, "checkpoint every this many steps")
-    keep_checkpoints: int = option(2, "checkpoints kept (older ones are deleted)")
+    keep_checkpoints: int = option(2, "checkpoints kept (0: all; else at least 2: accelerate deletes the oldest "
+                                      "before it writes the next, and 1 would leave none while a save is under way)")
     log_every: int = option(10, "log metrics every this many steps")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
+    # torch's default (10 min for NCCL) is shorter than regeneration: the main process asks the
+    # servers (or every process answers its share) for hours while the others wait at a barrier.
+    dist_timeout: float = option(720.0, "minutes a process waits for the others at a collective before "
+                                        "the launch fails (accelerate's InitProcessGroupKwargs); sized for "
+                                        "regeneration, during which processes wait for hours")
 
 
 @dataclass
 class EvalSection:
     max_new_tokens: int = option(64, "eval: tokens generated per prompt")
-    num_prompts: int = option(8, "eval: prompts decoded")
+    num_prompts: int = option(8, "eval: prompts decoded; of a conversation dataset, conversations (every user "
+                                 "turn of each)")
     temperature: float = option(0.0, "eval: sampling temperature (0: greedy, checked token for token)")
-    num_draft: int = option(-1, "eval: drafts per verify (-1: the tile rule's D)")
+    top_k: int = option(0, "eval: sample from the k likeliest tokens only (0: all)")
+    top_p: float = option(1.0, "eval: sample from the smallest set of tokens of mass p (1: all)")
+    seed: int = option(0, "eval: seed of the sampled decodes")
+    num_draft: int | None = option(None, "eval: drafts per verify (null: the tile rule's D)")
 
 
 @dataclass
 class TrackingSection:
-    report_to: str = option("wandb", 'wandb (offline unless WANDB_API_KEY is set), tensorboard, none')
+    report_to: str = option("wandb", 'wandb, tensorboard or none')
+    mode: str = option("auto", "wandb: auto (online where wandb finds credentials: `wandb login`, WANDB_API_KEY; "
+                               "else offline), online or offline")
     project: str = option("draftsmith", "tracker project name")
     run_name: str = option("", "tracker run name (empty: the output folder's name)")
 
@@ -109,12 +139,9 @@ class MethodSection:
     name: str = option("mtp", "the drafter to train; the section's other keys are its config's fields")
     params: dict[str, Any] = option({}, "only the keys the recipe set (the config derives the rest)")
 
-    def config_class(self) -> type:
-        return method_config_class(self.name)
-
     def build_config(self, **derived):
         """The drafter config: derived values (from the target) overridden by the recipe."""
-        return self.config_class()(**{**derived, **self.params})
+        return config_class(self.name)(**{**derived, **self.params})
 
 
 @dataclass
@@ -127,11 +154,11 @@ class Recipe:
     tracking: TrackingSection = field(default_factory=TrackingSection)
 
 
-def method_config_class(name: str) -> type:
-    return config_class(name)
-
-
 # ---------------------------------------------------------------- typed conversion
+
+class NotFinite(DraftsmithError):
+    """A float that is NaN or infinite: refused as such, whatever else the type allows."""
+
 
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
@@ -144,6 +171,8 @@ def _coerce(value: Any, tp, key: str) -> Any:
         for choice in typing.get_args(tp):
             try:
                 return _coerce(value, choice, key)
+            except NotFinite:
+                raise
             except DraftsmithError:
                 continue
         raise DraftsmithError(f"{key}: expected {_type_name(tp)}, got {value!r}")
@@ -159,13 +188,19 @@ def _coerce(value: Any, tp, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-3 (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            try:
+                return finite(number, key)
+            except DraftsmithError as exc:  # not "expected float": a union must not try its other types
+                raise NotFinite(str(exc)) from None
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -206,7 +241,7 @@ def _build_method(data: dict) -> MethodSection:
     name = data.pop("name", MethodSection.name)
     if not isinstance(name, str):
         raise DraftsmithError(f"method.name: expected str, got {name!r}")
-    cls = method_config_class(name)
+    cls = config_class(name)
     typed = _build(cls, data, "method")  # validates every key and type
     return MethodSection(name=name, params={k: getattr(typed, k) for k in data})
 
@@ -254,21 +289,46 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: plain YAML keeps the
+    last, so a recipe with two `train:` sections would silently lose the first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise DraftsmithError(f"recipe {path} not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as exc:
+        raise DraftsmithError(f"recipe {path} is not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
-        raise DraftsmithError(f"recipe {path} is not valid YAML{where}") from None
+        problem = f": {exc.problem}" if getattr(exc, "problem", None) else ""
+        raise DraftsmithError(f"recipe {path} is not valid YAML{where}{problem}") from None
     if data is None:  # an empty file would otherwise launch the full default run
         raise DraftsmithError(f"recipe {path} is empty (start from one in recipes/)")
     if not isinstance(data, dict):
         raise DraftsmithError(f"recipe {path}: expected a mapping at the top level")
     return data
+
+
+def _length_by_epochs(data: dict) -> None:
+    """A recipe that gives train.num_epochs and no train.max_steps trains by epochs (the
+    default max_steps would otherwise make it give both, which `validate` refuses)."""
+    train = data.get("train")
+    if isinstance(train, dict) and train.get("num_epochs") and "max_steps" not in train:
+        train["max_steps"] = 0
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
@@ -277,6 +337,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     for text in overrides:
         key, value = parse_override(text)
         _set_path(data, key, value)
+    _length_by_epochs(data)
     try:
         recipe = recipe_from_dict(data)
         validate(recipe)
@@ -293,7 +354,8 @@ def validate(recipe: Recipe) -> None:
     (a zero `*_every` would otherwise fail only after the first step, as a ZeroDivisionError)."""
     t, target = recipe.train, recipe.target
     at_least = {
-        "train.max_steps": (t.max_steps, 1), "train.batch_size": (t.batch_size, 1), "train.grad_accum": (t.grad_accum, 1),
+        "train.max_steps": (t.max_steps, 0), "train.num_epochs": (t.num_epochs, 0),
+        "data.num_proc": (recipe.data.num_proc, 1), "train.batch_size": (t.batch_size, 1), "train.grad_accum": (t.grad_accum, 1),
         "train.seq_len": (t.seq_len, 2), "train.eval_every": (t.eval_every, 1), "train.save_every": (t.save_every, 1),
         "train.log_every": (t.log_every, 1), "train.eval_batches": (t.eval_batches, 0),
         "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.lr": (t.lr, 0), "train.clip": (t.clip, 0),
@@ -309,13 +371,33 @@ def validate(recipe: Recipe) -> None:
     for key, (value, low) in at_least.items():
         if value < low:
             raise DraftsmithError(f"{key}: must be at least {low}, got {value}")
+    if t.keep_checkpoints == 1:  # a failed save must leave the previous checkpoint behind
+        raise DraftsmithError("train.keep_checkpoints: 1 would leave no whole checkpoint while the next is written "
+                              "(accelerate deletes the oldest first); give 2 or more, or 0 for all")
     for key, value in (("train.warmup_ratio", t.warmup_ratio), ("train.min_lr_ratio", t.min_lr_ratio),
                        ("train.adam_beta2", t.adam_beta2)):
         if not 0 <= value <= 1:
             raise DraftsmithError(f"{key}: must be between 0 and 1, got {value}")
+    if not t.dist_timeout > 0:
+        raise DraftsmithError(f"train.dist_timeout: must be a positive number of minutes, got {t.dist_timeout}")
     if t.mixed_precision not in MIXED_PRECISION:
         raise DraftsmithError(f"train.mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, "
                               f"got {t.mixed_precision!r}")
+    seed(t.seed, "train.seed")
+    seed(recipe.eval.seed, "eval.seed")
+    if recipe.eval.top_k < 0 or not 0 < recipe.eval.top_p <= 1:
+        raise DraftsmithError(f"eval.top_k ({recipe.eval.top_k}) must not be negative and eval.top_p "
+                              f"({recipe.eval.top_p}) must be in (0, 1]")
+    if t.max_steps and t.num_epochs:
+        raise DraftsmithError(f"train.max_steps={t.max_steps} and train.num_epochs={t.num_epochs} both set the "
+                              "run's length: set one (train.max_steps=0 to train by epochs)")
+    if not t.max_steps and not t.num_epochs:
+        raise DraftsmithError("train.max_steps and train.num_epochs are both 0: set one of them to the run's length")
+    if target.path and target.max_position_embeddings != TargetSection.max_position_embeddings:
+        # It sizes only the tiny target built from these fields; a loaded target keeps its
+        # config's, so a value here would be silently ignored.
+        raise DraftsmithError(f"target.max_position_embeddings={target.max_position_embeddings} sizes only the tiny "
+                              f"target; target {target.path} has its own (remove the key)")
     if isinstance(t.resume, str) and not t.resume:
         raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
 

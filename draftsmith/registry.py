@@ -20,6 +20,22 @@ from draftsmith.errors import DraftsmithError
 
 
 @dataclass(frozen=True)
+class DecodeOption:
+    """A proposer option `draftsmith eval` sets for one run. One name end to end: `name` is the
+    proposer's keyword, the flag (`--` + name with dashes), and the report column."""
+
+    name: str
+    help: str  # the flag's help, its default said in words
+    check: str  # "module:function(value, what) -> value": refuses a bad value in one line naming `what`
+    type: type = float
+    metavar: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
 class MethodSpec:
     name: str
     summary: str  # one line, shown by `draftsmith --help` and in the docs
@@ -29,12 +45,20 @@ class MethodSpec:
     training: str = ""  # "module:Class": its TrainMethod subclass ("" nothing to train)
     reads_target_features: bool = False  # trained post hoc on a frozen target's hidden states
     needs_path: bool = True  # a proposer built from a trained folder (NAME:PATH)
-    exports: dict[str, str] = field(default_factory=dict)  # --format -> "module:function(folder, out)"
+    exports: dict[str, str] = field(default_factory=dict)  # --format -> "module:function(folder, out, dtype)"
     # Decode-time variants of the same checkpoint: spec name -> options for the proposer.
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Folders other tools write that `eval --drafter NAME:DIR` reads, told apart by their
     # config's architectures[0]: architecture -> layout (models/layouts.py routes by it).
     foreign_layouts: dict[str, str] = field(default_factory=dict)
+    # Options `eval` sets per run for every drafter of this method (variants included).
+    decode_options: tuple[DecodeOption, ...] = ()
+
+    def refs(self) -> dict[str, str]:
+        """Every "module:attribute" string of this entry, by the field that holds it."""
+        named = {"proposer": self.proposer, "config": self.config, "model": self.model, "training": self.training}
+        return {**{k: v for k, v in named.items() if v}, **{f"exports[{fmt}]": ref for fmt, ref in self.exports.items()},
+                **{f"decode_options[{o.name}].check": o.check for o in self.decode_options}}
 
 
 _NATIVE_EXPORT = "draftsmith.models.export:export_native"
@@ -56,9 +80,12 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         config="draftsmith.models.mtp:MTPConfig", model="draftsmith.models.mtp:MTPDrafter",
         training="draftsmith.train.mtp:MTPTraining",
         # DeepSeek-style targets only: engines run MTP just for architectures that declare it.
-        exports={"deepseek": "draftsmith.models.export_mtp:export_deepseek"},
-        # Default: the engines' chain (one row per draft); mtp_exact: DeepSeek's depths, recomputed.
-        variants={"mtp_exact": {"mode": "exact"}},
+        # SGLang's NextN loader reads one module; vLLM's DeepSeekMTP all K.
+        exports={"sglang": "draftsmith.models.export_mtp:export_sglang",
+                 "vllm": "draftsmith.models.export_mtp:export_vllm"},
+        # Default: one row per draft, module k for draft k; mtp_nextn: module 1 for every draft (what
+        # SGLang and vLLM run today); mtp_exact: DeepSeek's depths, recomputed.
+        variants={"mtp_nextn": {"modules": 1}, "mtp_exact": {"mode": "exact"}},
     ),
     MethodSpec(
         "eagle3", "EAGLE-3: one decoder layer over three fused target layers, trained with TTT",
@@ -82,18 +109,25 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     ),
     MethodSpec(
         "dspark", "DSpark: DFlash's backbone plus a light serial refiner and a confidence head",
-        proposer="draftsmith.eval.proposers.dflash:load_dspark_proposer",
+        proposer="draftsmith.eval.proposers.dspark:load_proposer",
         config="draftsmith.models.dspark:DSparkConfig", model="draftsmith.models.dspark:DSparkDrafter",
-        training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
-        exports={"specforge": "draftsmith.models.export_dflash:export_specforge",
-                 "deepspec": "draftsmith.models.export_dflash:export_deepspec", "native": _NATIVE_EXPORT},
+        training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
+        # One Qwen3DSparkModel folder serves DeepSpec, SGLang and vLLM; SpecForge's trainer reads its own.
+        exports={"sglang": "draftsmith.models.export_dflash:export_qwen3_dspark",
+                 "vllm": "draftsmith.models.export_dflash:export_qwen3_dspark",
+                 "deepspec": "draftsmith.models.export_dflash:export_qwen3_dspark",
+                 "specforge": "draftsmith.models.export_dflash:export_specforge", "native": _NATIVE_EXPORT},
         foreign_layouts={"DSparkDraftModel": "specforge", "Qwen3DSparkModel": "deepspec"},
+        decode_options=(DecodeOption(
+            "confidence_threshold", metavar="C", check="draftsmith.models.dspark:check_threshold",
+            help="dspark: end a draft before the first position whose confidence is below C, in [0, 1] "
+                 "(default: the checkpoint's; 0 drafts the full block)"),),
     ),
 )}
 
 
-def resolve(ref: str, what: str) -> Any:
-    """Import "module:attribute"; a module missing from this build is one line."""
+def import_ref(ref: str, what: str) -> Any:
+    """Import a registry string, "module:attribute"; a module missing from this build is one line."""
     module, _, attr = ref.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
@@ -133,4 +167,9 @@ def export_formats() -> list[str]:
 
 
 def config_class(name: str) -> type:
-    return resolve(method_spec(name, "config").config, f"method {name!r}")
+    return import_ref(method_spec(name, "config").config, f"method {name!r}")
+
+
+def decode_options() -> list[tuple[str, DecodeOption]]:
+    """(method, option) for every per-run proposer option `eval` offers as a flag."""
+    return [(spec.name, option) for spec in METHODS.values() for option in spec.decode_options]

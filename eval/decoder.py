@@ -220,7 +220,7 @@ class SpeculativeDecoder:
     def __init__(
         self,
         target,
-        drafter: Proposer,
+        proposer: Proposer,
         num_draft: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         *,
@@ -234,7 +234,7 @@ class SpeculativeDecoder:
         the first sequence's prompt + max_new_tokens + D rounded up to 256 (regrown when a
         later one needs more). `compile` (static cache only) compiles the verify forward."""
         self.target = target
-        self.drafter = drafter
+        self.proposer = proposer
         self.num_draft = default_num_draft(target.config) if num_draft is None else int(num_draft)
         if self.num_draft < 0:
             raise DraftsmithError(f"num_draft must be >= 0, got {num_draft}")
@@ -254,8 +254,8 @@ class SpeculativeDecoder:
             eos_token_id = ()
         self.eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.device = next(target.parameters()).device
-        self._capture = tuple(sorted(set(drafter.capture_layers)))
-        check_capturable(target, self._capture, f"drafter {getattr(drafter, 'name', type(drafter).__name__)}")
+        self._capture = tuple(sorted(set(proposer.capture_layers)))
+        check_capturable(target, self._capture, f"drafter {getattr(proposer, 'name', type(proposer).__name__)}")
         self._tree_mask = _TreeMask(next(target.parameters()).dtype, self.device)
         self._plain: SpeculativeDecoder | None = None
         self._compiled = CompiledVerify(target, self._capture) if self.compile else None
@@ -303,13 +303,13 @@ class SpeculativeDecoder:
         out = target_forward(self.target, prompt[None], cache=cache, capture=self._capture, logits_to_keep=1)
         first = next_token(out.logits[0, -1], sampling, generator).reshape(1)
         hidden = {i: h[0] for i, h in out.hidden.items()}
-        self.drafter.begin(prompt, TargetContext(hidden, prompt, 0))
+        self.proposer.begin(prompt, TargetContext(hidden, prompt, 0))
         state.last = first
         state.generated.append(int(first))
         state.done = state.generated[-1] in self.eos or max_new_tokens == 1
         if not state.done:
             nothing = {i: h[:0] for i, h in hidden.items()}
-            self.drafter.commit(first, TargetContext(nothing, prompt[:0], len(prompt)))
+            self.proposer.commit(first, TargetContext(nothing, prompt[:0], len(prompt)))
         stats.prefill_s = self._clock() - t0
         return state
 
@@ -321,10 +321,10 @@ class SpeculativeDecoder:
         prefix = cache_length(state.cache)
         # The full budget even near the token limit: a tree's depth, not its size, bounds
         # what it can commit, and the tokens past the limit are simply not kept.
-        draft = self.drafter.propose(self.num_draft, state.sampling, state.generator)
+        draft = self.proposer.propose(self.num_draft, state.sampling, state.generator)
         if len(draft) > self.num_draft:
             raise DraftsmithError(
-                f"drafter {self.drafter.name} proposed {len(draft)} nodes, more than {self.num_draft}"
+                f"drafter {self.proposer.name} proposed {len(draft)} nodes, more than {self.num_draft}"
             )
         t1 = self._clock()
 
@@ -350,7 +350,7 @@ class SpeculativeDecoder:
             kept = drafts[: len(path)] if children is None else drafts[path]
             committed = torch.cat([kept, bonus.reshape(1)])
             hidden = {i: h[0, rows] for i, h in out.hidden.items()}
-            self.drafter.commit(committed, TargetContext(hidden, inputs[0, rows], prefix))
+            self.proposer.commit(committed, TargetContext(hidden, inputs[0, rows], prefix))
             state.last = committed[-1:]
         t4 = self._clock()
         stats.draft_s += (t1 - t0) + (t4 - t3)
@@ -426,7 +426,7 @@ class SpeculativeDecoder:
         q = None if probs is None else probs.to(self.device, torch.float32)
         if q is not None and q.shape[-1] != p.shape[-1]:
             raise DraftsmithError(
-                f"drafter {self.drafter.name} gives probabilities over {q.shape[-1]} tokens, "
+                f"drafter {self.proposer.name} gives probabilities over {q.shape[-1]} tokens, "
                 f"the target over {p.shape[-1]}"
             )
         if children is None:

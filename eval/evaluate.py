@@ -1,6 +1,13 @@
 """`draftsmith eval`: every drafter against plain decoding of the same target, on the same
 prompts, with the same settings, in one run; then the report.
 
+A conversation dataset is decoded turn by turn (eval/prompts.py): every user turn is a
+prompt, the second asked after plain decoding's answer to the first, as Spec-Bench and EAGLE
+score MT-bench. Every drafter then decodes those same prompts: at temperature 0 its answers
+are plain decoding's token for token, so this is each method answering its own turns; when
+sampling, the prompts stay identical across methods (the references let each method go on
+from its own sample, which has the same distribution).
+
 At temperature 0 each drafter's output is also checked token for token against plain
 decoding: a mismatch is a bug in a drafter or the decoder, and the run stops.
 """
@@ -14,7 +21,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
-from draftsmith.eval.proposers import parse_spec, proposer_from_spec
+from draftsmith.eval.proposers import parse_drafter_arg, proposer_from_arg
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.report import (
     check_report_dest,
@@ -28,7 +35,7 @@ from draftsmith.eval.report import (
     write_report,
 )
 from draftsmith.fsutil import atomic_dir
-from draftsmith.models.target import resolve_model_dir
+from draftsmith.models.target import find_model_dir
 from draftsmith.models.tile import plan_tile, read_target_config
 
 
@@ -49,33 +56,82 @@ class EvalSettings:
     compile: bool = False  # the verify forward under torch.compile (CUDA graphs on CUDA); static cache only
     # Per-run proposer options by method name, e.g. {"dspark": {"confidence_threshold": 0.3}}.
     proposer_options: dict[str, dict] = field(default_factory=dict)
+    chat_template: str = ""  # a Jinja file or built-in name; empty: the tokenizer's (data/chat.py)
+    enable_thinking: bool | None = None  # None: off where the template has the switch
 
 
 def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Tensor]:
-    """Token ids of the prompts: held-out corpus prefixes as plain text, or the first user
-    turn of each conversation in a file through the tokenizer's chat template."""
-    if settings.dataset == "embedded":
-        from draftsmith.data.corpus import corpus_prompts
+    """Token ids of the embedded default's prompts: held-out corpus prefixes as plain text."""
+    from draftsmith.data.corpus import corpus_prompts
 
-        texts = corpus_prompts(settings.num_prompts, max_chars=settings.prompt_chars)
-        ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
-    else:
-        from draftsmith.data.conversations import first_user_prompts, load_conversations
-
-        prompts = first_user_prompts(load_conversations(settings.dataset, limit=settings.num_prompts))
-        if tokenizer.chat_template:
-            ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)["input_ids"] for p in prompts]
-        else:
-            ids = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
-    if not ids:
-        raise DraftsmithError(f"dataset {settings.dataset}: no prompts")
+    texts = corpus_prompts(settings.num_prompts, max_chars=settings.prompt_chars)
+    ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     for i, row in enumerate(ids):
-        if len(row) + settings.max_new_tokens > context:
-            raise DraftsmithError(f"dataset {settings.dataset}: prompt {i} has {len(row)} tokens; with "
-                                  f"max_new_tokens={settings.max_new_tokens} that exceeds the target's context "
-                                  f"(less the drafts of a verify pass) of {context}")
+        _check_context(row, settings, context, f"prompt {i}")
     return [torch.tensor(row, dtype=torch.long) for row in ids]
+
+
+def _check_context(row: list[int], settings: EvalSettings, context: int, which: str) -> None:
+    if len(row) + settings.max_new_tokens > context:
+        raise DraftsmithError(f"dataset {settings.dataset}: {which} has {len(row)} tokens; with "
+                              f"max_new_tokens={settings.max_new_tokens} that exceeds the target's context "
+                              f"(less the drafts of a verify pass) of {context}")
+
+
+@dataclass
+class Conversations:
+    """A conversation dataset and how its turns are rendered (eval/prompts.py)."""
+    turns: list  # EvalConversation per conversation
+    tokenizer: object
+    template: str | None
+    template_kwargs: dict
+    context: int  # positions a prompt and its answer may fill
+
+    def longest(self, settings: EvalSettings) -> int:
+        """A bound on the longest prompt, known before any answer is: every turn with an empty
+        answer, plus max_new_tokens (and slack for re-tokenizing the answer's text) per turn."""
+        from draftsmith.eval.prompts import render_turn
+
+        bounds = []
+        for turns in self.turns:
+            history = [m for asked in turns for m in (*asked, {"role": "assistant", "content": ""})][:-1]
+            rendered = len(render_turn(self.tokenizer, history, self.template, self.template_kwargs))
+            bounds.append(rendered + (len(turns) - 1) * (settings.max_new_tokens + 8))
+        return min(max(bounds), self.context)
+
+    def prompt(self, history: list[dict], settings: EvalSettings, which: str) -> torch.Tensor:
+        from draftsmith.eval.prompts import render_turn
+
+        row = render_turn(self.tokenizer, history, self.template, self.template_kwargs)
+        _check_context(row, settings, self.context, which)
+        return torch.tensor(row, dtype=torch.long)
+
+
+def decode_conversations(decoder, data: Conversations, settings, sampling, progress: str):
+    """Every user turn of every conversation decoded in order, each after the decoder's own
+    answers to the turns before it: (prompts, per-prompt stats, outputs), flat, in the
+    order `decode_prompts` then replays them (prompt i seeded with seed + i)."""
+    from tqdm.auto import tqdm
+
+    prompts, per_prompt, outputs = [], [], []
+    total = sum(len(turns) for turns in data.turns)
+    with tqdm(total=total, desc=progress, leave=False, dynamic_ncols=True) as bar:
+        for c, turns in enumerate(data.turns):
+            history: list[dict] = []
+            for t, asked in enumerate(turns):
+                history += asked
+                prompt = data.prompt(history, settings, f"conversation {c} turn {t + 1}")
+                generator = torch.Generator(device=decoder.device).manual_seed(settings.seed + len(prompts))
+                result = decoder.generate(prompt, settings.max_new_tokens, sampling, generator)
+                tokens = result.tokens.tolist()
+                prompts.append(prompt)
+                outputs.append(tokens)
+                per_prompt.append(result.stats)
+                answer = tokens[:next((k for k, tok in enumerate(tokens) if tok in decoder.eos), len(tokens))]
+                history.append({"role": "assistant",
+                                "content": data.tokenizer.decode(answer, skip_special_tokens=True)})
+                bar.update(1)
+    return prompts, per_prompt, outputs
 
 
 def decode_prompts(decoder, prompts, settings, sampling, progress: str):
@@ -110,7 +166,7 @@ def _tokens_per_s(stats: DecodeStats, outputs: list[list[int]]) -> float:
 def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Path) -> list[dict]:
     """One report per temperature; with several, each in its own subfolder `t<temperature>`
     and an index `report.md` with their tables. The folder is written whole or not at all."""
-    from draftsmith.data.tokenizer import load_pretrained_tokenizer
+    from draftsmith.data.tokenizer import check_fits, load_pretrained_tokenizer
     from draftsmith.models.target import load_target
 
     if not settings.drafters:
@@ -126,25 +182,27 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
                               f"({settings.num_prompts}) must be at least 1")
     if settings.num_draft is not None and settings.num_draft < 1:
         raise DraftsmithError(f"eval: --num-draft must be at least 1, or -1 for the tile rule; got {settings.num_draft}")
-    for spec in settings.drafters:
-        parse_spec(spec)
+    for arg in settings.drafters:
+        parse_drafter_arg(arg)
     for t in settings.temperatures:
         SamplingParams(t, settings.top_k, settings.top_p)  # validates
-    folder = resolve_model_dir(target_path, require="target")
+    folder = find_model_dir(target_path, require="target")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(folder, device=device)
     tokenizer = load_pretrained_tokenizer(folder)
+    check_fits(tokenizer, target.get_input_embeddings().num_embeddings, folder, folder)
     plan = plan_tile(read_target_config(folder), tile=settings.tile)
     num_draft = plan.D if settings.num_draft is None else settings.num_draft
     # A verify pass writes num_draft positions past the last committed token.
-    prompts = prompt_ids(tokenizer, settings, target.config.max_position_embeddings - num_draft)
-    drafters = [proposer_from_spec(spec, target, settings.proposer_options)  # fail before any decoding
-                for spec in settings.drafters]
+    context = target.config.max_position_embeddings - num_draft
+    source, eos = _source(target, tokenizer, settings, context)
+    proposers = [proposer_from_arg(arg, target, settings.proposer_options)  # fail before any decoding
+                 for arg in settings.drafters]
 
     runs = []
     for temperature in settings.temperatures:
         sampling = SamplingParams(temperature, settings.top_k, settings.top_p)
-        results = _run(target, drafters, prompts, settings, sampling, num_draft)
+        results = _run(target, proposers, source, settings, sampling, num_draft, eos)
         results["target"] = {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile,
                              "D": num_draft}
         runs.append(results)
@@ -158,17 +216,45 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     return runs
 
 
-def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingParams, num_draft: int) -> dict:
+def _source(target, tokenizer, settings: EvalSettings, context: int):
+    """What is decoded, and the tokens that end an answer (None: the target's own): the
+    embedded prompts as plain text, or a conversation dataset's turns through the chat
+    template, ended by the template's end of turn as well (a served chat model stops there)."""
+    from draftsmith.data.chat import chat_format
+    from draftsmith.data.regen_server import stop_token_ids
+    from draftsmith.eval.prompts import eval_conversations
+
+    if settings.dataset == "embedded":
+        chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=True)  # refuses a switch
+        return prompt_ids(tokenizer, settings, context), None
+    plain = not (settings.chat_template or tokenizer.chat_template)
+    template, kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=plain)
+    turns = eval_conversations(settings.dataset, settings.num_prompts)
+    stops = stop_token_ids(target.generation_config, tokenizer, template, plain, kwargs)
+    return Conversations(turns, tokenizer, template, kwargs, context), tuple(stops)
+
+
+def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingParams, num_draft: int,
+         eos: tuple[int, ...] | None = None) -> dict:
     """Plain decoding, then each drafter, on the same prompts with the same settings."""
-    cache = {"cache": settings.cache, "compile": settings.compile}
+    conversations = source if isinstance(source, Conversations) else None
+    first = conversations.prompt(conversations.turns[0][0], settings, "conversation 0 turn 1") \
+        if conversations else source[0]
+    cache = {"cache": settings.cache, "compile": settings.compile, "eos_token_id": eos}
     if settings.cache == "static":  # one size for every prompt: a compiled graph is traced for it once
-        cache["max_cache_len"] = max(len(p) for p in prompts) + settings.max_new_tokens + num_draft
+        longest = conversations.longest(settings) if conversations else max(len(p) for p in source)
+        cache["max_cache_len"] = longest + settings.max_new_tokens + num_draft
     # First calls pay one-off costs; with compile, CUDA graphs trace, then record, then replay.
     warm_ups = 3 if settings.compile else 1
     baseline_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **cache)
     for _ in range(warm_ups):
-        baseline_decoder.generate(prompts[0][:8], 4, sampling)
-    base_runs, base_out = decode_prompts(baseline_decoder, prompts, settings, sampling, "plain decoding")
+        baseline_decoder.generate(first[:8], 4, sampling)
+    if conversations:  # the later turns' prompts hold plain decoding's answers to the earlier ones
+        prompts, base_runs, base_out = decode_conversations(baseline_decoder, conversations, settings, sampling,
+                                                            "plain decoding")
+    else:
+        prompts = source
+        base_runs, base_out = decode_prompts(baseline_decoder, prompts, settings, sampling, "plain decoding")
     base_stats = merge_stats(base_runs)
     t_target = _per_pass_ms(base_stats, base_stats.verify_s)
     base_tps = _tokens_per_s(base_stats, base_out)
@@ -177,23 +263,23 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
     steps: dict[str, list[list[int]]] = {}
 
     rows, outputs = [], {"baseline": base_out}
-    unique = len({d.name for d in drafters}) == len(drafters)
-    for spec, drafter in zip(settings.drafters, drafters):
-        decoder = SpeculativeDecoder(target, drafter, num_draft=num_draft, **cache)
+    unique = len({p.name for p in proposers}) == len(proposers)
+    for arg, proposer in zip(settings.drafters, proposers):
+        decoder = SpeculativeDecoder(target, proposer, num_draft=num_draft, **cache)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)
-        runs, out = decode_prompts(decoder, prompts, settings, sampling, f"{spec} t={sampling.temperature:g}")
+        runs, out = decode_prompts(decoder, prompts, settings, sampling, f"{arg} t={sampling.temperature:g}")
         stats = merge_stats(runs)
         no_loop = merge_stats([r for r, loop in zip(runs, looping) if not loop])
         if sampling.greedy:
             for i, (mine, plain) in enumerate(zip(out, base_out)):
                 if mine != plain:
-                    raise DraftsmithError(f"lossless check failed: drafter {spec} changed the greedy output of prompt {i}")
+                    raise DraftsmithError(f"lossless check failed: drafter {arg} changed the greedy output of prompt {i}")
         tps = _tokens_per_s(stats, out)
         t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
         row = {
-            "name": drafter.name if unique else spec,
-            "spec": spec, "num_draft": num_draft, "tau": stats.tau,
+            "name": proposer.name if unique else arg,
+            "drafter": arg, "num_draft": num_draft, "tau": stats.tau,
             "tau_no_loop": no_loop.tau if no_loop is not None else None,
             "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
@@ -202,17 +288,21 @@ def _run(target, drafters, prompts, settings: EvalSettings, sampling: SamplingPa
             "bound": speedup_bound(stats.tau, t_target, t_draft, t_verify),
             "T_draft_ms": t_draft, "T_verify_ms": t_verify,
         }
-        extra = getattr(drafter, "report_extra", None)
+        extra = getattr(proposer, "report_extra", None)
         if callable(extra):
             row["extra"] = extra()
         rows.append(row)
         outputs[row["name"]] = out
         steps[row["name"]] = [[r.committed, r.verify_passes] for r in runs]
 
+    chat = {}
+    if conversations:  # how the prompts were rendered: what a published table must match
+        chat = {"conversations": len(conversations.turns), "chat_template": settings.chat_template or "the tokenizer's",
+                "enable_thinking": conversations.template_kwargs.get("enable_thinking")}
     return {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
-                     "seed": settings.seed, "cache": settings.cache, "compile": settings.compile},
+                     "seed": settings.seed, "cache": settings.cache, "compile": settings.compile, **chat},
         "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target,
                      "distinct_4gram": distinct_4gram_ratio(base_out), "looping_prompts": sum(looping)},
         "drafters": rows,

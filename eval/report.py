@@ -7,7 +7,7 @@ The results a benchmark hands to `write_report` (report.json is this dict as giv
     baseline: {tokens_per_s, T_target_ms}        plain decoding: same target, prompts, settings, run;
               optional distinct_4gram, looping_prompts (how many of its texts loop)
     drafters: [{
-        name, spec,                              display name; what was loaded (path, method)
+        name, drafter,                           display name; the --drafter argument (NAME[:PATH])
         num_draft,                               D, the drafts proposed per verify pass
         tau,                                     committed tokens / verify passes, bonus included
         tau_no_loop,                             optional: tau over the prompts whose plain text
@@ -41,7 +41,7 @@ _REQUIRED = {
     "baseline": ("tokens_per_s", "T_target_ms"),
 }
 _DRAFTER_REQUIRED = (
-    "name", "spec", "num_draft", "tau", "verify_passes", "committed_tokens",
+    "name", "drafter", "num_draft", "tau", "verify_passes", "committed_tokens",
     "per_position_acceptance", "accepted_length_hist", "tokens_per_s", "speedup",
     "T_draft_ms", "T_verify_ms",
 )
@@ -233,7 +233,8 @@ def _require(obj: dict, key: str, where: str) -> None:
 def _markdown(results: dict) -> str:
     target, settings, baseline = results["target"], results["settings"], results["baseline"]
     drafters = results["drafters"]
-    setting_keys = _REQUIRED["settings"]
+    # How a conversation dataset's prompts were rendered, where eval recorded it (eval/prompts.py).
+    setting_keys = (*_REQUIRED["settings"], *(k for k in ("conversations", "enable_thinking") if k in settings))
     lines = [
         "# Speculative decoding report",
         "",

@@ -146,11 +146,11 @@ class DFlashConfig:
         config = cls(**values)
         if config.block_size == "auto":
             config.block_size = auto_block_size(t, tile, config.first_prediction_slot)
-        config.resolve()
+        config.derive()
         config.check_tile(t, tile)
         return config
 
-    def resolve(self) -> "DFlashConfig":
+    def derive(self) -> "DFlashConfig":
         """Fill what follows from the rest, then refuse anything inconsistent (one line)."""
         missing = [f.name for f in dataclasses.fields(self)
                    if getattr(self, f.name) is None and f.name not in ("target_layer_ids", "gamma")]
@@ -282,7 +282,7 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
-        self.config = config.resolve()
+        self.config = config.derive()
         qc = config.qwen3_config()
         n = len(config.target_layer_ids)
         self.layers = nn.ModuleList(DFlashLayer(qc) for _ in range(config.num_layers))

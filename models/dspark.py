@@ -70,7 +70,7 @@ class DSparkConfig(DFlashConfig):
     def first_prediction_slot(self) -> int:
         return 0 if self.block_convention == ANCHOR_IS_FIRST_PREDICTION else 1
 
-    def resolve(self) -> "DSparkConfig":
+    def derive(self) -> "DSparkConfig":
         if self.block_convention not in BLOCK_CONVENTIONS:
             raise DraftsmithError(
                 f"block_convention {self.block_convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}"
@@ -80,7 +80,7 @@ class DSparkConfig(DFlashConfig):
         if self.markov_rank is not None and self.markov_rank < 1:
             raise DraftsmithError(f"markov_rank must be at least 1, got {self.markov_rank}")
         check_threshold(self.confidence_threshold)
-        return super().resolve()
+        return super().derive()
 
 
 def check_threshold(threshold: float, what: str = "confidence_threshold") -> float:

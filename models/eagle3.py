@@ -63,7 +63,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
 @dataclass
 class Eagle3Config:
     """Fields left None are derived from the target by `from_target` (a recipe sets only
-    the keys it names); `resolve` then refuses anything missing or inconsistent."""
+    the keys it names); `derive` then refuses anything missing or inconsistent."""
 
     hidden_size: int | None = option(None, "drafter width; must equal the target's (the embedding is shared)")
     target_hidden_size: int | None = option(None, "the target's hidden width (None: read from the target)")
@@ -108,11 +108,11 @@ class Eagle3Config:
         chosen = {k: v for k, v in overrides.items() if v is not None}
         if "target_layer_ids" not in chosen:
             chosen["target_layer_ids"] = default_layer_ids(shape.num_layers)
-        made = cls(**{**derived, **chosen}).resolve()
+        made = cls(**{**derived, **chosen}).derive()
         check_target_fits(made, config)
         return made
 
-    def resolve(self) -> "Eagle3Config":
+    def derive(self) -> "Eagle3Config":
         """Check the config is complete and consistent (one-line errors); returns self."""
         missing = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
         if missing:
@@ -275,7 +275,7 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        self.config = c = config.resolve()
+        self.config = c = config.derive()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's; set by copy_target_embedding
         self.fc = nn.Linear(NUM_FUSED_LAYERS * c.target_hidden_size, c.hidden_size, bias=False)

@@ -4,6 +4,11 @@ Which formats a method offers, and the function that writes each, is the method'
 in the registry (`draftsmith/registry.py`); the layouts themselves live in
 `export_eagle3.py`, `export_dflash.py` and `export_mtp.py`, and `layouts.py` tells them
 apart when reading (and here, which method a run holds). The drafter modules know nothing about them.
+
+Precision: drafters train in float32, but an engine serves a drafter in the dtype its
+config names (SGLang's `--dtype auto` reads `torch_dtype`, and turns float32 into float16
+beside a bfloat16 target). So an export is written in the *target's* dtype (bf16 for real
+targets) unless `--dtype` names another; `serve.py` prints the command that serves it.
 """
 
 from __future__ import annotations
@@ -11,16 +16,58 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir
+from draftsmith.fsutil import atomic_dir, read_json
 from draftsmith.models.layouts import NATIVE, identify
-from draftsmith.models.target import resolve_model_dir
-from draftsmith.registry import METHODS, resolve
+from draftsmith.models.native import read_native_meta
+from draftsmith.models.target import find_model_dir
+from draftsmith.registry import METHODS, import_ref
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_run(run: str | Path, fmt: str, out_dir: str | Path) -> Path:
-    """Write the drafter of a training run (or a native drafter folder) in format `fmt`."""
-    folder = Path(resolve_model_dir(run))
+def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """Write the drafter of a training run (or a native drafter folder) in format `fmt`,
+    its weights in `dtype` (default: the target's)."""
+    folder, method = _drafter_folder(run)
+    formats = METHODS[method].exports if method in METHODS else {}
+    if fmt not in formats:
+        raise DraftsmithError(f"{run} holds a {method} drafter: --format must be one of {', '.join(formats)}"
+                              if formats else f"{run}: no export for method {method!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise DraftsmithError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return import_ref(formats[fmt], f"--format {fmt}")(folder, out_dir, dtype)
+
+
+def export_notes(run: str | Path, fmt: str, written: str | Path) -> list[str]:
+    """What `draftsmith export` prints after writing: a note where the layout keeps less than
+    the run trained, then the exact commands that serve the folder."""
+    from draftsmith.models.serve import serve_commands
+
+    folder, method = _drafter_folder(run)
+    if fmt == "native":
+        return []  # draftsmith's own: `eval --drafter METHOD:DIR` reads it
+    notes = []
+    if fmt == "specforge":
+        notes.append("SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
+                     "load --format sglang|vllm (Qwen3DSparkModel) instead")
+    if method == "mtp":
+        from draftsmith.models.export_mtp import sglang_note
+
+        trained = (read_json(Path(written) / "config.json").get("draftsmith_mtp") or {}).get("modules_trained", 1)
+        note = sglang_note(trained) if fmt == "sglang" else None
+        notes += [note] if note else []
+        target = None
+    else:
+        target = target_dir_of(folder)
+    commands = serve_commands(method, written, target)
+    return notes + (["serve it with:", *(f"  {c}" for c in commands)] if commands else [])
+
+
+def _drafter_folder(run: str | Path) -> tuple[Path, str]:
+    folder = Path(find_model_dir(run))
     if not folder.is_dir():
         raise DraftsmithError(f"drafter {folder} not found")
     method, layout, meta = identify(folder)
@@ -35,15 +82,53 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path) -> Path:
         from draftsmith.models.export_mtp import check_engine_layout
 
         check_engine_layout(folder)
-    formats = METHODS[method].exports if method in METHODS else {}
-    if fmt not in formats:
-        raise DraftsmithError(f"{run} holds a {method} drafter: --format must be one of {', '.join(formats)}"
-                              if formats else f"{run}: no export for method {method!r}")
-    return resolve(formats[fmt], f"--format {fmt}")(folder, out_dir)
+    return folder, method
 
 
-def export_native(folder: Path, out_dir: str | Path) -> Path:
+def config_dtype(config: dict) -> torch.dtype | None:
+    """The dtype a Hugging Face config.json names (`dtype` from transformers 5, `torch_dtype` before)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    return DTYPES.get(str(name).removeprefix("torch.")) if name else None
+
+
+def target_dir_of(folder: str | Path) -> Path | None:
+    """The target folder a native drafter records (`target`), if it is still there."""
+    target = read_native_meta(folder).get("target")
+    if not target:
+        return None
+    path = Path(find_model_dir(target))
+    return path if (path / "config.json").is_file() else None
+
+
+def export_dtype(folder: str | Path, dtype: str | None, trained: torch.dtype) -> torch.dtype:
+    """`--dtype` if given, else the dtype of the target the drafter was trained for, else
+    the drafter's own (`trained`: no target recorded, or its config names none)."""
+    if dtype is not None:
+        return DTYPES[dtype]
+    target = target_dir_of(folder)
+    found = config_dtype(read_json(target / "config.json")) if target is not None else None
+    return found or trained
+
+
+def cast_floats(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors in `dtype`, each its own contiguous CPU copy (a tied target's
+    embedding and head stay two tensors in the file); integer and bool buffers as they are."""
+    out = {}
+    for name, t in state.items():
+        t = t.detach().cpu()
+        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def export_native(folder: Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """The native folder itself, copied whole (config.json + model.safetensors)."""
+    if dtype is not None:
+        raise DraftsmithError("--dtype: the native format is the drafter as trained (reloaded bit-identically); "
+                              "give --dtype with an engine format")
     with atomic_dir(out_dir) as tmp:
         for name in ("config.json", "model.safetensors"):
             shutil.copy2(folder / name, tmp / name)

@@ -29,6 +29,24 @@ is the first prediction slot, our ANCHOR_IS_FIRST_PREDICTION). Extra weights:
 `markov_head.markov_w1.weight` [V, r] (an embedding), `markov_head.markov_w2.weight` [V, r],
 `confidence_head.proj.{weight [1, H + r], bias [1]}`.
 
+What SGLang and vLLM load (newest sources read): SGLang python/sglang/srt/models/dspark.py
+@ 01f476234ab4 registers only `Qwen3DSparkModel` (EntryClass), and
+speculative/dspark_components/dspark_config.py (`parse_dspark_draft_config`) reads
+`markov_rank` and `markov_head_type` from `dspark_config` or the top level, never from
+`dflash_config` (a SpecForge folder fails: "DSpark requires markov_rank > 0"); its gamma is
+`block_size` (the drafts per block, anchor first) and `--speculative-num-draft-tokens` is
+gamma + 1; it skips `embed_tokens.` and `lm_head.`. vLLM's registry sends
+`DSparkDraftModel` to its DeepSeek-V4 class and `Qwen3DSparkModel` to
+vllm/model_executor/models/qwen3_dspark.py @ 0302ff404394 (`Qwen3DSparkForCausalLM`), which
+reads top-level `markov_rank`, `enable_confidence_head`, `confidence_head_with_markov`,
+prefixes every weight but lm_head with `model.`, keeps an `embed_tokens`/`lm_head` the
+file has (the target's otherwise), and takes the layer ids from `dflash_config` or the top
+level, plus one (`get_eagle3_aux_layers_from_config`). SpecForge's own
+scripts/gates/normalize_dflash_export.py (@ a6b6b0230009) rewrites its DSpark folders into
+exactly that before SGLang loads them. So one layout serves DeepSpec, SGLang and vLLM:
+DeepSpec's (below) with `dflash_config` kept too (`--format deepspec|sglang|vllm`), and
+SpecForge's trainer keeps its own (`--format specforge`).
+
 DeepSpec DSpark (github.com/deepseek-ai/DeepSpec @ afdfa7c93823,
 deepspec/modeling/dspark/qwen3/{config,modeling}.py `Qwen3DSparkModel`, loaded by
 deepspec/eval/dspark/evaluator.py with `Qwen3DSparkModel.from_pretrained`): a copy of the
@@ -37,7 +55,12 @@ target's Qwen3 config with `architectures: ["Qwen3DSparkModel"]` and at the top 
 `enable_confidence_head`, `confidence_head_with_markov`, `markov_rank`, `markov_head_type`,
 `layer_types`; the same weight names plus the target's `embed_tokens.weight` and
 `lm_head.weight`, stored in the drafter. Its evaluator drafts `block_size` tokens per block
-(anchor first) and refuses the target's last layer as a context layer.
+(anchor first) and refuses the target's last layer as a context layer. A target with a
+tied embedding and head (Qwen3-0.6B to 4B) gets two tensors in the file, as safetensors
+requires.
+
+Precision: weights and `torch_dtype` in the target's dtype unless `--dtype` says otherwise
+(models/export.py).
 
 Settings no loader reads (decode threshold, block convention) go under a `draftsmith` key.
 """
@@ -67,40 +90,51 @@ MODELING_FILE = "modeling_draftsmith.py"  # models/zlab_modeling.py, as it is
 
 # ---------------------------------------------------------------- writing
 
-def export_zlab(folder: str | Path, out_dir: str | Path) -> Path:
+def export_zlab(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """A native DFlash folder in the z-lab layout (`draftsmith export --format zlab`)."""
-    return export_dflash_zlab(load_drafter(folder, "dflash"), out_dir)
+    drafter = load_drafter(folder, "dflash")
+    return export_dflash_zlab(drafter, out_dir, _dtype(folder, dtype, drafter))
 
 
-def export_specforge(folder: str | Path, out_dir: str | Path) -> Path:
+def export_specforge(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """A native DSpark folder in SpecForge's layout (`draftsmith export --format specforge`)."""
-    return export_dspark_specforge(load_drafter(folder, "dspark"), out_dir)
+    drafter = load_drafter(folder, "dspark")
+    return export_dspark_specforge(drafter, out_dir, _dtype(folder, dtype, drafter))
 
 
-def export_deepspec(folder: str | Path, out_dir: str | Path) -> Path:
-    """A native DSpark folder in DeepSpec's layout, with the embedding and head of the
-    target it was trained on (the folder's `target`)."""
-    from draftsmith.models.target import load_target, resolve_model_dir
+def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """A native DSpark folder as `Qwen3DSparkModel` (`--format deepspec`, `sglang` or `vllm`:
+    one folder all three load), with the embedding and head of the target it was trained
+    on (the folder's `target`)."""
+    from draftsmith.models.export import target_dir_of
+    from draftsmith.models.target import load_target
 
     drafter = load_drafter(folder, "dspark")
-    target_dir = read_native_meta(folder).get("target")
-    if not target_dir or not Path(resolve_model_dir(target_dir), "config.json").is_file():
-        raise DraftsmithError(f"{folder}/config.json: target {target_dir!r} not found; DeepSpec's layout stores "
-                              "the target's embedding and head, so the target folder is needed")
-    return export_dspark_deepspec(drafter, out_dir, load_target(resolve_model_dir(target_dir)))
+    target_dir = target_dir_of(folder)
+    if target_dir is None:
+        raise DraftsmithError(f"{folder}/config.json: target {read_native_meta(folder).get('target')!r} not found; "
+                              "the Qwen3DSparkModel layout stores the target's embedding and head (DeepSpec reads "
+                              "them), so the target folder is needed")
+    return export_dspark_deepspec(drafter, out_dir, load_target(target_dir), _dtype(folder, dtype, drafter))
 
 
-def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
+def _dtype(folder, dtype: str | None, drafter) -> torch.dtype:
+    from draftsmith.models.export import export_dtype
+
+    return export_dtype(folder, dtype, drafter.fc.weight.dtype)
+
+
+def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     if isinstance(drafter, DSparkDrafter):
         raise DraftsmithError("export_dflash_zlab: this is a DSpark drafter (its block convention and heads "
                               "would be lost); export it with export_dspark_specforge")
-    config = _backbone_config(drafter, DFLASH_ARCH)
+    config = _backbone_config(drafter, DFLASH_ARCH, dtype)
     return _write(out_dir, config, drafter.state_dict(), modeling=True)
 
 
-def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path) -> Path:
+def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     c = _check_dspark(drafter, "SpecForge")
-    config = _backbone_config(drafter, DSPARK_ARCH)
+    config = _backbone_config(drafter, DSPARK_ARCH, dtype)
     config["dflash_config"].update(
         projector_type="dspark", markov_rank=c.markov_rank, markov_head_type="vanilla",
         enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=c.bce_weight,
@@ -110,7 +144,9 @@ def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path) -> Path
     return _write(out_dir, config, drafter.state_dict(), modeling=True)
 
 
-def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target) -> Path:
+def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
+                           dtype: torch.dtype | None = None) -> Path:
+    """The `Qwen3DSparkModel` layout DeepSpec, SGLang and vLLM load (see the module doc)."""
     c = _check_dspark(drafter, "DeepSpec")
     if c.num_target_layers - 1 in c.target_layer_ids:
         raise DraftsmithError(f"target_layer_ids {c.target_layer_ids} include the target's last layer "
@@ -120,8 +156,9 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target) 
         if tuple(tensor.shape) != (c.vocab_size, c.hidden_size):
             raise DraftsmithError(f"the target's {name} has shape {tuple(tensor.shape)}; this drafter needs "
                                   f"({c.vocab_size}, {c.hidden_size}): it was trained for another target")
-    config = _backbone_config(drafter, DEEPSPEC_ARCH)
-    del config["dflash_config"]  # DeepSpec reads these at the top level
+    config = _backbone_config(drafter, DEEPSPEC_ARCH, dtype)
+    # DeepSpec, SGLang's DSpark and vLLM's Qwen3DSparkForCausalLM read these at the top level;
+    # dflash_config (same values) stays for SGLang's DFlash base parser and vLLM's layer ids.
     config.update(
         target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id, num_anchors=c.num_anchors,
         markov_rank=c.markov_rank, markov_head_type="vanilla",
@@ -150,13 +187,14 @@ def _our_settings(c: DSparkConfig) -> dict:
                                         f"{c.drafts_per_block} drafts; slot k predicts the token at anchor + k + 1"}
 
 
-def _backbone_config(drafter: DFlashDrafter, arch: str) -> dict:
+def _backbone_config(drafter: DFlashDrafter, arch: str, dtype: torch.dtype | None = None) -> dict:
     c = drafter.config
     qwen3 = c.qwen3_config().to_diff_dict()
     qwen3["rope_theta"] = float(c.rope_theta)  # transformers < 5 reads it at the top level
+    name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
     return {
         "architectures": [arch], **qwen3, "model_type": "qwen3",
-        "dtype": str(drafter.fc.weight.dtype).removeprefix("torch."),
+        "dtype": name, "torch_dtype": name,  # transformers 5's name, and the one the engines' --dtype auto reads
         "layer_types": ["full_attention"] * c.num_layers,
         "target_hidden_size": c.target_hidden_size,
         "block_size": c.block_size,
@@ -169,10 +207,12 @@ def _backbone_config(drafter: DFlashDrafter, arch: str) -> dict:
 def _write(out_dir, config: dict, state: dict, modeling: bool = False) -> Path:
     """`modeling`: our modeling file goes beside the weights, and `auto_map` points
     AutoModel at the config's architecture in it."""
+    from draftsmith.models.export import DTYPES, cast_floats
+
     out_dir = Path(out_dir)
     if modeling:
         config = {**config, "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{config['architectures'][0]}"}}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    tensors = cast_floats(state, DTYPES[config["dtype"]])  # each its own copy: a tied embedding and head too
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)

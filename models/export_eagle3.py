@@ -55,7 +55,7 @@ from draftsmith.models.eagle3 import (
 )
 from draftsmith.models.layouts import NATIVE, expect
 from draftsmith.models.native import config_from_dict, load_drafter, load_native_weights, read_native_meta
-from draftsmith.models.target import resolve_model_dir, target_shape
+from draftsmith.models.target import find_model_dir, target_shape
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ENGINES = ("sglang", "vllm")
@@ -86,7 +86,8 @@ def export_config(config: Eagle3Config, engine: str, dtype: torch.dtype = torch.
         "norm_before_residual": False,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": layer_ids, "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),  # what SGLang's and vLLM's --dtype auto read
+        "dtype": str(dtype).removeprefix("torch."),  # the same, as transformers 5 names it
         "draftsmith": {"engine": engine, "ttt_length": config.ttt_length, "ttt_decay": config.ttt_decay},
     }
     if config.target_hidden_size != config.hidden_size:
@@ -97,32 +98,41 @@ def export_config(config: Eagle3Config, engine: str, dtype: torch.dtype = torch.
 def _config_and_weights(run_or_drafter) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     if isinstance(run_or_drafter, Eagle3Drafter):
         return run_or_drafter.config, run_or_drafter.state_dict()
-    path = Path(resolve_model_dir(run_or_drafter))  # a training run stands for its model/
+    path = Path(find_model_dir(run_or_drafter))  # a training run stands for its model/
     meta = read_native_meta(path, expect_method=METHOD)
     config = config_from_dict(Eagle3Config, meta["config"], source=f"{path}/config.json")
     return config, load_native_weights(path)
 
 
-def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Path, engine: str) -> Path:
+def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Path, engine: str,
+                  dtype: str | None = None) -> Path:
     """Write a drafter, a native EAGLE-3 folder or a training run (its model/) for `engine`,
-    atomically: the folder appears whole or not at all."""
+    atomically: the folder appears whole or not at all. Weights and `torch_dtype` are in
+    `dtype`, by default the target's (a folder's recorded target; a module: its own dtype)."""
+    from draftsmith.models.export import DTYPES, cast_floats, export_dtype
+
     if engine not in ENGINES:
         raise DraftsmithError(f"EAGLE-3 export: unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
     config, state = _config_and_weights(run_or_drafter)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if not k.startswith("embed_tokens.")}
+    trained = state["fc.weight"].dtype
+    if isinstance(run_or_drafter, Eagle3Drafter):
+        out_dtype = DTYPES[dtype] if dtype else trained
+    else:
+        out_dtype = export_dtype(find_model_dir(run_or_drafter), dtype, trained)
+    tensors = cast_floats({k: v for k, v in state.items() if not k.startswith("embed_tokens.")}, out_dtype)
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", export_config(config, engine, tensors["fc.weight"].dtype))
+        write_json(tmp / "config.json", export_config(config, engine, out_dtype))
     return out_dir
 
 
-def export_sglang(folder: str | Path, out_dir: str | Path) -> Path:
-    return export_eagle3(folder, out_dir, "sglang")
+def export_sglang(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    return export_eagle3(folder, out_dir, "sglang", dtype)
 
 
-def export_vllm(folder: str | Path, out_dir: str | Path) -> Path:
-    return export_eagle3(folder, out_dir, "vllm")
+def export_vllm(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    return export_eagle3(folder, out_dir, "vllm", dtype)
 
 
 def _layer_ids(cfg: dict, num_target_layers: int, source: str) -> list[int]:

@@ -33,12 +33,23 @@ def _expected(method: str) -> str:
                                                   for arch, layout in foreign.items())
 
 
+def check_names(file: Path, meta: dict) -> None:
+    """The fields that route a folder must have their shapes: a method's name, a list of
+    architecture names (anything else would fail later as a TypeError deep in a loader)."""
+    method, archs = meta.get("method"), meta.get("architectures")
+    if "method" in meta and not isinstance(method, str):
+        raise DraftsmithError(f"{file}: 'method' must be a method's name, got {method!r}")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise DraftsmithError(f"{file}: 'architectures' must be a list of class names, got {archs!r}")
+
+
 def identify(path: str | Path) -> tuple[str | None, str | None, dict]:
     """(method, layout, config) of a drafter folder; (None, None, config) when unknown."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise DraftsmithError(f"drafter {path}: no config.json")
     meta = read_json(path / "config.json")
+    check_names(path / "config.json", meta)
     if meta.get("format") == "draftsmith" and "method" in meta:
         return meta["method"], NATIVE, meta
     arch = (meta.get("architectures") or [None])[0]

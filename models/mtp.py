@@ -1,8 +1,12 @@
 """DeepSeek-V3-style multi-token prediction (MTP) modules, trained jointly with the target.
 
 Depth k (1-based) at sequence position i reads the previous depth's hidden state h^{k-1}_i
-(h^0 = the target's last decoder layer output, pre-norm) and the embedding of token
-t_{i+k}, and predicts t_{i+k+1}:
+and the embedding of token t_{i+k}, and predicts t_{i+k+1}. h^0 is the target's hidden
+state *after its final norm* (the input of its output head), because that is what the
+serving engines hand a loaded module: vLLM's DeepSeekMTP and SGLang's NextN take the
+target's `hidden_states` output, and `DeepseekV2Model.forward` ends in `self.norm`. The
+norm is applied by `engine_hidden` in training and decoding alike, so MTP gradients reach
+the final norm too, and one checkpoint means the same here and in an engine:
 
     h'  = eh_proj(concat(enorm(emb(t_{i+k})), hnorm(h^{k-1}_i)))    # embedding first
     h^k = block(h')                                                  # one causal decoder layer
@@ -25,7 +29,7 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import option
 from draftsmith.models.native import load_state_strict
-from draftsmith.models.target import cache_kwarg, decoder_layers, rotary_embedding
+from draftsmith.models.target import cache_kwarg, decoder_layers, decoder_module, rotary_embedding
 
 MTP_DIR = "mtp"  # the MTP modules sit in this subfolder of the saved target
 
@@ -63,10 +67,20 @@ class SharedHead(nn.Module):
         self.norm = RMSNorm(hidden_size, eps)
 
 
+def rms_norm_eps(target_config) -> float:
+    """The target's RMSNorm epsilon: DeepSeek's MTP modules are RMSNorm (Llama-family) blocks,
+    so a target normalised otherwise (GPT-2, Phi, GPT-NeoX, OPT, Falcon: LayerNorm) is refused."""
+    eps = getattr(target_config, "rms_norm_eps", None)
+    if not isinstance(eps, float):
+        raise DraftsmithError(f"MTP heads need a target with RMSNorm layers (Llama, Qwen, Mistral, DeepSeek families); "
+                              f"{getattr(target_config, 'model_type', type(target_config).__name__)} has no rms_norm_eps")
+    return eps
+
+
 class MTPLayer(nn.Module):
     def __init__(self, target_config, layer_class: type, layer_idx: int):
         super().__init__()
-        hidden, eps = target_config.hidden_size, target_config.rms_norm_eps
+        hidden, eps = target_config.hidden_size, rms_norm_eps(target_config)
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
@@ -149,6 +163,27 @@ def from_deepseek_names(state: dict) -> dict:
     return out
 
 
+_FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")  # Llama/Qwen/DeepSeek, then others
+
+
+def final_norm(target: nn.Module) -> nn.Module:
+    """The target's final norm, the last step before its output head."""
+    decoder = decoder_module(target)
+    for name in _FINAL_NORMS:
+        norm = getattr(decoder, name, None)
+        if isinstance(norm, nn.Module):
+            return norm
+    raise DraftsmithError(f"target {type(target).__name__}: no final norm found in its decoder "
+                          f"{type(decoder).__name__} (looked for {', '.join(_FINAL_NORMS)}); MTP modules read "
+                          "the hidden state after it")
+
+
+def engine_hidden(target: nn.Module, last_layer_output: torch.Tensor) -> torch.Tensor:
+    """h^0: the last decoder layer's output through the target's final norm, the state the
+    engines pass to MTP modules (the same op the target runs before its head, so the same numbers)."""
+    return final_norm(target)(last_layer_output)
+
+
 def causal_mask(attn_implementation: str | None, rows: int, past: int, like: torch.Tensor) -> torch.Tensor | None:
     """Additive [1, 1, rows, past + rows] mask: new row i sees the `past` cached rows and
     new rows 0..i. Given explicitly because transformers' eager attention reads a missing
@@ -166,14 +201,15 @@ def mtp_forward(heads: MTPDrafter, target: nn.Module, input_ids: torch.Tensor,
                 last_hidden: torch.Tensor) -> list[torch.Tensor]:
     """Training forward over whole sequences: the logits of every depth.
 
-    `last_hidden` is h^0, the target's last decoder layer output (pre-norm), [B, T, H].
+    `last_hidden` is the target's last decoder layer output [B, T, H]; h^0 is it after the
+    target's final norm (`engine_hidden`).
     Depth k returns logits [B, T - k, V] whose position i predicts input_ids[:, i + k + 1]
     (the last position has no label inside the sequence and is dropped by the loss).
     """
     rotary = rotary_embedding(target)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     seq = input_ids.shape[1]
-    prev = last_hidden
+    prev = engine_hidden(target, last_hidden)
     logits = []
     for k, layer in enumerate(heads.layers, start=1):
         length = seq - k

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.models.layouts import check_names
 
 FORMAT = "draftsmith"
 
@@ -57,6 +58,10 @@ def read_native_meta(path: str | Path, expect_method: str | None = None) -> dict
     meta = read_json(path / "config.json")
     if meta.get("format") != FORMAT or "method" not in meta:
         raise DraftsmithError(f"{path}/config.json is not a draftsmith native drafter (no 'format: {FORMAT}')")
+    check_names(path / "config.json", meta)
+    if not isinstance(meta.get("config", {}), dict):
+        raise DraftsmithError(f"{path}/config.json: 'config' must be a mapping of the drafter's settings, "
+                              f"got {meta['config']!r}")
     if expect_method is not None and meta["method"] != expect_method:
         raise DraftsmithError(
             f"{path} holds a {meta['method']} drafter, not {expect_method}; load it as {meta['method']}:{path}"
@@ -101,9 +106,9 @@ def save_drafter(drafter: torch.nn.Module, out_dir: str | Path, extra: dict[str,
 def load_drafter(path: str | Path, method: str, target: torch.nn.Module | None = None):
     """A native drafter of `method` (a folder of another method is refused, naming it),
     rebuilt for `target` where the module shares the target's weights."""
-    from draftsmith.registry import method_spec, resolve
+    from draftsmith.registry import import_ref, method_spec
 
     meta = read_native_meta(path, expect_method=method)
     spec = method_spec(method, "model")
-    config = config_from_dict(resolve(spec.config, method), meta["config"], source=f"{path}/config.json")
-    return resolve(spec.model, method).from_native(config, load_native_weights(path), target, source=str(path))
+    config = config_from_dict(import_ref(spec.config, method), meta["config"], source=f"{path}/config.json")
+    return import_ref(spec.model, method).from_native(config, load_native_weights(path), target, source=str(path))

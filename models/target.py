@@ -504,14 +504,26 @@ def build_tiny_target(seed: int = 0, **config_kwargs) -> nn.Module:
     return model
 
 
-def resolve_model_dir(path: str | Path, require: str = "") -> Path | str:
+def find_model_dir(path: str | Path, require: str = "") -> Path | str:
     """The one place a path on the command line becomes a model folder: a training run
-    folder stands for the model it wrote (RUN/model), a model folder for itself, and a
-    name that is no local path stays a string (a hub name). With `require` (what the path
-    is for, e.g. "target"), it must be a local folder with a config.json."""
+    folder stands for the model it wrote (RUN/model), a model folder for itself, and a hub
+    name for its snapshot in the Hugging Face cache (downloaded there first when online,
+    models/hub.py). A name found nowhere stays a string, for the loader to name what is
+    wrong. With `require` (what the path is for, e.g. "target"), it must come to a folder
+    with a config.json."""
+    from draftsmith.models.hub import hub_snapshot, looks_like_repo_id
+
     local = Path(path)
     if (local / "model" / "config.json").is_file():
         return local / "model"
+    if not local.exists() and looks_like_repo_id(path):
+        try:
+            return hub_snapshot(str(path), what=require or "model")
+        except DraftsmithError as exc:
+            if require:
+                raise DraftsmithError(f"{require} {path}: no such folder (a model folder or a training run "
+                                      f"folder), nor a hub model: {str(exc).split(': ', 1)[-1]}") from None
+            return str(path)
     if require and not (local / "config.json").is_file():
         raise DraftsmithError(f"{require} {path}: no config.json (a model folder or a training run folder)")
     return local if local.exists() or require else str(path)

@@ -48,12 +48,13 @@ def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
     config = as_dict(config)
     if tile < 1 or tp < 1:
         raise DraftsmithError(f"tile ({tile}) and tp ({tp}) must be positive")
-    heads = next((config[key] for key in _HEAD_KEYS if config.get(key)), None)
-    if heads is None:
+    key = next((key for key in _HEAD_KEYS if config.get(key)), None)
+    if key is None:
         raise DraftsmithError("config has no num_attention_heads")
+    heads = _head_count(config[key], key)
     mla = config.get("kv_lora_rank") is not None
-    kv = 1 if mla else kv_heads(config, heads)  # MLA: one latent vector per token for all heads
-    if kv < 1 or heads % kv:
+    kv = 1 if mla else _head_count(kv_heads(config, heads), "num_key_value_heads")  # MLA: one latent KV
+    if heads % kv:
         raise DraftsmithError(
             f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}"
         )
@@ -64,6 +65,14 @@ def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
         raise DraftsmithError(f"num_key_value_heads {kv} does not split over tp {tp}")
     group = (heads // tp) // max(1, kv // tp)
     return TilePlan(H=heads, KV=kv, G=group, tile=tile, tp=tp, D=max(0, tile // group - 1), mla=mla)
+
+
+def _head_count(value, key: str) -> int:
+    """A head count as a config must give it: a positive whole number (JSON "8", 8.0 or [8]
+    would otherwise fail as a TypeError, and -8 would print G = -8)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DraftsmithError(f"config {key} must be a positive whole number, got {value!r}")
+    return value
 
 
 def as_dict(config) -> dict:
@@ -101,7 +110,7 @@ COMMON_TILES = (64, 128, 192, 256)
 
 def read_target_config(spec: str | Path) -> dict:
     """The attention fields of a target: `spec` is a model folder, a config.json, or a hub
-    name already in the local Hugging Face cache (never downloaded)."""
+    name (its config.json from the Hugging Face cache, or downloaded alone when online)."""
     path = Path(spec)
     if path.is_dir():
         config = read_json(path / "config.json")
@@ -123,9 +132,16 @@ def read_target_config(spec: str | Path) -> dict:
 
 
 def _cached_hub_config(name: str) -> dict:
-    from huggingface_hub import try_to_load_from_cache
+    """A hub model's config.json: from the Hugging Face cache, else (unless HF_HUB_OFFLINE)
+    that one file downloaded into it; never the weights."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from transformers import AutoConfig
 
+    from draftsmith.models.hub import cached_snapshot, looks_like_repo_id
+
+    snapshot = cached_snapshot(name) if looks_like_repo_id(name) else None
+    if snapshot is not None and (snapshot / "config.json").is_file():
+        return read_json(snapshot / "config.json")
     try:
         return AutoConfig.from_pretrained(name, local_files_only=True).to_dict()
     except (OSError, ValueError, KeyError) as exc:
@@ -135,9 +151,13 @@ def _cached_hub_config(name: str) -> dict:
         if isinstance(cached, str):
             return read_json(cached)
         reason = first_lines(exc, 1)
+    try:  # not cached: the config alone from the hub (refused at once when offline)
+        return read_json(hf_hub_download(name, "config.json"))
+    # huggingface_hub's offline, missing-repository, gated and network errors all mean "not found".
+    except Exception as exc:
         raise DraftsmithError(
-            f"{name}: not a model folder or config.json, and not loadable from the local "
-            f"Hugging Face cache ({reason})"
+            f"{name}: not a model folder or config.json, not in the local Hugging Face cache ({reason}), "
+            f"and not downloadable ({first_lines(exc, 1)})"
         ) from None
 
 
@@ -206,5 +226,9 @@ def format_plan(plan: TilePlan) -> str:
 
 def plan_command(target: str, tile: int, tp: int) -> str:
     """What `draftsmith plan` prints for one target."""
-    plan = plan_tile(read_target_config(target), tile=tile, tp=tp)
+    config = read_target_config(target)
+    try:
+        plan = plan_tile(config, tile=tile, tp=tp)
+    except DraftsmithError as exc:
+        raise DraftsmithError(f"{target}: {exc}") from None
     return f"target {target}\n{format_plan(plan)}"

@@ -4,7 +4,7 @@ For EAGLE-3, DFlash and DSpark: the time and memory of one training step of the 
 (the loss forward, backward, gradient clipping and an AdamW step, what train/loop.py
 does per batch) beside one no-grad forward of the frozen target over the same batch (the
 feature forward train/posthoc.py runs before each step). The target forward is listed
-separately, not inside the step: a run on cached features (models/feature_cache.py) pays
+separately, not inside the step: a run on cached features (data/feature_cache.py) pays
 the step alone, an online run pays both, which the `online tok/s` column adds up. What a
 method extracts from the forward (EAGLE-3's draft-vocabulary logits) is taken once,
 outside both.
@@ -32,6 +32,15 @@ DFlash (reading 4 target layers, all a 4-layer target has); the target has 4 lay
 drafters keep fp32 weights under bf16 autocast; on a CPU everything is fp32, as the loop.
 
     python scripts/bench_train.py [--device cuda] [--repeats 5] [--hidden 512 ...]
+
+Padding (`--padding`): real (non-padding) tokens per second of whole online steps (target
+forward + drafter step) over the same rows batched three ways, side by side: padded to
+seq_len (as train/posthoc.py's rows were batched before), each batch cut to its longest
+row, and cut with rows grouped by length (data.group_by_length). The rows are synthetic,
+with chat-shaped lengths (log-normal, median a quarter of seq_len, long tail, cut at seq_len);
+the three batchings run interleaved, batch by batch, so that drift hits all alike.
+
+    python scripts/bench_train.py --padding [--padding-rows 64] [--padding-batch 8]
 """
 
 from __future__ import annotations
@@ -315,6 +324,111 @@ def measure(method, label, target, fwd: TargetForward, batch, args, clock, memor
     return row
 
 
+def chat_rows(n: int, vocab: int, seq: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """`n` rows padded to `seq`, with chat-shaped real lengths (see the module doc): random
+    tokens, the first quarter of each row's real tokens its prompt, the rest supervised."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = (torch.randn(n, generator=g) * 0.8).exp().mul(seq / 4).clamp(16, seq).long().tolist()
+    rows = []
+    for length in lengths:
+        ids = torch.zeros(seq, dtype=torch.long)
+        ids[:length] = torch.randint(0, vocab - 1, (length,), generator=g)
+        real = (torch.arange(seq) < length).long()
+        loss_mask = real * (torch.arange(seq) >= length // 4).long()
+        rows.append({"input_ids": ids, "loss_mask": loss_mask, "attention_mask": real})
+    return rows
+
+
+def batchings(rows, batch: int, seed: int = 0) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The rows' batches each way, as the loop makes them (data/batching.py)."""
+    from torch.utils.data import default_collate
+
+    from draftsmith.data.batching import LengthGroupedSampler, batches_of, real_length, trim_padding
+
+    shuffled = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    lengths = real_length(torch.stack([r["attention_mask"] for r in rows])).tolist()
+    grouped = list(LengthGroupedSampler(lengths, batch, seed))
+    ways = {"padded to seq_len": (default_collate, shuffled), "cut to longest row": (trim_padding, shuffled),
+            "cut, grouped by length": (trim_padding, grouped)}
+    return {name: [collate([rows[i] for i in b]) for b in batches_of(order, batch)]
+            for name, (collate, order) in ways.items()}
+
+
+def measure_padding(method, target, ways, args, clock, capture) -> dict[str, dict]:
+    """Online steps (target forward + drafter step) over every batch of each batching,
+    interleaved, after one untimed step on each batching's first batch: every batching is
+    timed over the same rows."""
+    drafter = build_drafter(method, target, args, None)
+    lr, clip = LR_CLIP[method]
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if clock.cuda else contextlib.nullcontext()
+    device = next(target.parameters()).device
+
+    def step(batch) -> float:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        start = clock.mark()
+        with torch.no_grad():
+            out = target_forward(target, batch["input_ids"], attention_mask=batch["attention_mask"], capture=capture)
+        with autocast:
+            value, _ = loss_fn(method, drafter, target, batch, out)()
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return clock.ms(start, clock.mark())
+
+    for batches in ways.values():
+        step(batches[0])
+    totals = {name: {"ms": 0.0, "real": 0, "positions": 0} for name in ways}
+    for i in range(len(next(iter(ways.values())))):
+        for name, batches in ways.items():
+            totals[name]["ms"] += step(batches[i])
+            totals[name]["real"] += int(batches[i]["attention_mask"].sum())
+            totals[name]["positions"] += batches[i]["attention_mask"].numel()
+    return totals
+
+
+def padding_markdown(results: dict[str, dict[str, dict]]) -> str:
+    head = ["method", "batching", "padding %", "real tok/s", "x padded"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for method, totals in results.items():
+        base = None
+        for name, t in totals.items():
+            rate = t["real"] * 1e3 / max(t["ms"], 1e-9)
+            base = base or rate
+            cells = [method, name, f"{100 * (1 - t['real'] / max(1, t['positions'])):.0f}", f"{rate:.0f}",
+                     f"{rate / base:.2f}x"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def padding_main(args, methods, target, clock, head) -> int:
+    rows = chat_rows(args.padding_rows, args.vocab, args.seq)
+    ways = batchings(rows, args.padding_batch)
+    if not next(iter(ways.values())):
+        sys.exit("bench_train: --padding-rows makes no whole batch of --padding-batch")
+    head = [head[0], head[1].split("; batch")[0] + f"; seq_len {args.seq}; clock: {'CUDA events' if clock.cuda else 'wall'}",
+            f"padding: {args.padding_rows} rows in batches of {args.padding_batch}, every batch timed once after "
+            "one untimed step per batching; real tok/s = non-padding tokens / time of whole online steps "
+            "(target forward + drafter step); x padded = against rows padded to seq_len"]
+    print("\n".join(head) + "\n", flush=True)
+    results = {}
+    for method in methods:
+        capture = layer_ids(method, target, args)
+        results[method] = measure_padding(method, target, ways, args, clock, capture)
+        gc.collect()  # the method's drafter and optimizer, gone with measure_padding's frame
+        if clock.cuda:
+            torch.cuda.empty_cache()
+        print(f"{method}: done", flush=True)
+    table = padding_markdown(results)
+    print("\n" + table)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n\n".join(head) + "\n\n" + table + "\n")
+    return 0
+
+
 def markdown(rows, fwd_row, tokens, project_layers, num_layers) -> str:
     """One Markdown table; every ratio is against the target forwards paired with the row."""
     head = ["phase", "ms (median)", "paired fwd ms", "x target fwd"]
@@ -357,6 +471,11 @@ def main(argv=None) -> int:
     ap.add_argument("--clock", choices=("wall", "process"), default="wall",
                     help="CPU only: process = the process's CPU time, immune to other load (use with --threads 1)")
     ap.add_argument("--out", type=Path, help="also write the report (Markdown) to this file")
+    ap.add_argument("--padding", action="store_true",
+                    help="compare real tokens/s of rows padded to seq_len, cut to each batch's longest row, "
+                         "and grouped by length (see the module doc)")
+    ap.add_argument("--padding-rows", type=int, default=None, help="--padding: rows (default: 8 batches)")
+    ap.add_argument("--padding-batch", type=int, default=8, help="--padding: rows per batch")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     for name, value in PRESETS[device.type].items():
@@ -392,6 +511,9 @@ def main(argv=None) -> int:
             "step = loss forward + backward + clip + AdamW step on precomputed features; the target's feature "
             "forward is its own row, and each step's ratio is against the forwards timed between its steps "
             "(paired fwd); online tok/s = tokens / (step + paired fwd)"]
+    if args.padding:
+        args.padding_rows = args.padding_rows or 8 * args.padding_batch
+        return padding_main(args, methods, target, clock, head)
     print("\n".join(head) + "\n", flush=True)
 
     rows, failed, fwd_samples, fwd_layers, fwd_peaks = [], [], [], [], []

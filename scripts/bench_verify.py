@@ -277,9 +277,10 @@ def truncated_twin(target, layers: int):
     return draft.eval()
 
 
-def build_drafters(target, attn: str) -> dict:
-    from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer
+def build_proposers(target, attn: str) -> dict:
+    from draftsmith.eval.proposers.dflash import DFlashProposer
     from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+    from draftsmith.eval.proposers.dspark import DSparkProposer
     from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
     from draftsmith.eval.proposers.ngram import NgramProposer
     from draftsmith.eval.proposers.oracle import OracleProposer
@@ -293,7 +294,7 @@ def build_drafters(target, attn: str) -> dict:
         eagle3 = Eagle3Drafter.from_target(target).to(param.dtype).eval()
         dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
         dspark = DSparkDrafter(DSparkConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
-    drafters = {
+    proposers = {
         "ngram": NgramProposer(),
         "draft_lm": DraftLMProposer(truncated_twin(target, 2), target, name="draft_lm"),
         "oracle": OracleProposer(target),
@@ -302,8 +303,8 @@ def build_drafters(target, attn: str) -> dict:
         "dspark": DSparkProposer(dspark, target),
     }
     if "flash" not in attn:  # tree verifies need a 4D mask, which flash-attn ignores (the decoder refuses)
-        drafters["eagle3_tree"] = Eagle3Proposer(eagle3, mode="tree", name="eagle3_tree")
-    return drafters
+        proposers["eagle3_tree"] = Eagle3Proposer(eagle3, mode="tree", name="eagle3_tree")
+    return proposers
 
 
 def decoder_speedup(target, args, out_dir: Path) -> dict:
@@ -327,19 +328,19 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     base_stats = merge_stats(base_runs)
     t_target, base_tps = _per_pass_ms(base_stats, base_stats.verify_s), _tokens_per_s(base_stats, base_out)
     rows = []
-    for name, drafter in build_drafters(target, target.config._attn_implementation).items():
-        decoder = SpeculativeDecoder(target, drafter, num_draft=plan.D, eos_token_id=())
+    for name, proposer in build_proposers(target, target.config._attn_implementation).items():
+        decoder = SpeculativeDecoder(target, proposer, num_draft=plan.D, eos_token_id=())
         decoder.generate(prompts[0][:8], 4)  # warm-up
         runs, out = decode_prompts(decoder, prompts, settings, GREEDY, name)
         stats = merge_stats(runs)
         t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
         tps = _tokens_per_s(stats, out)
         extra = {"prompts unlike plain": sum(a != b for a, b in zip(out, base_out))}
-        if callable(getattr(drafter, "report_extra", None)):
-            extra.update(drafter.report_extra())
+        if callable(getattr(proposer, "report_extra", None)):
+            extra.update(proposer.report_extra())
         untrained = name in ("eagle3", "eagle3_tree", "dflash", "dspark")
         rows.append({
-            "name": name, "spec": f"{name} (untrained)" if untrained else name, "num_draft": plan.D,
+            "name": name, "drafter": f"{name} (untrained)" if untrained else name, "num_draft": plan.D,
             "tau": stats.tau, "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
             "accepted_length_hist": list(stats.accepted_hist), "tokens_per_s": tps,

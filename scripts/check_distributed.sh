@@ -45,7 +45,7 @@ r = load_recipe('$RECIPE'); print(r.method.name, r.target.path or '-')")
 [ -n "${method:-}" ] || exit 2  # the recipe did not load; python said why
 if [ "$target" != - ]; then
   # Post hoc: against a tiny target trained here first, on a few short answers of its own.
-  python3 -m draftsmith.train recipes/tiny/mtp.yaml "${TINY[@]}" train.max_steps=2 train.batch_size=4 \
+  python3 -m draftsmith.train --recipe recipes/tiny/mtp.yaml "${TINY[@]}" train.max_steps=2 train.batch_size=4 \
     train.output_dir="$OUT/target" >"$OUT/target.log" 2>&1 || { tail -5 "$OUT/target.log"; exit 1; }
   TINY+=(target.path="$OUT/target" train.seq_len=256 data.num_conversations=48 data.regen_max_new_tokens=24)
   [ "$method" = eagle3 ] && TINY+=(method.draft_vocab_size=128 method.ttt_length=2)
@@ -56,7 +56,7 @@ fi
 run() {
   local name=$1 accum=$2 eval_batches=$3 port; shift 3
   port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-  python3 -m accelerate.commands.launch --main_process_port "$port" "$@" -m draftsmith.train "$RECIPE" "${TINY[@]}" train.batch_size=2 \
+  python3 -m accelerate.commands.launch --main_process_port "$port" "$@" -m draftsmith.train --recipe "$RECIPE" "${TINY[@]}" train.batch_size=2 \
     train.grad_accum="$accum" train.eval_batches="$eval_batches" train.output_dir="$OUT/$name" >"$OUT/$name.log" 2>&1
 }
 

@@ -20,9 +20,11 @@ stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exis
   if [ -e "$RUNS/$name/model" ]; then
     echo "== $name: reusing $RUNS/$name/model"
   else
-    echo "== $name: draftsmith train $recipe $*"
-    local t0; t0=$(date +%s)
-    draftsmith train "$recipe" train.output_dir="$RUNS/$name" train.seed="$SEED" "$@" "${EXTRA[@]}"
+    echo "== $name: draftsmith train --recipe $recipe $*"
+    local t0 resume=(); t0=$(date +%s)
+    # An interrupted stage left checkpoints: continue it (a fresh run into its folder is refused).
+    [ -n "$(ls -A "$RUNS/$name/checkpoints" 2>/dev/null)" ] && resume=(train.resume=true)
+    draftsmith train --recipe "$recipe" train.output_dir="$RUNS/$name" train.seed="$SEED" "$@" "${EXTRA[@]}" "${resume[@]}"
     echo "== $name: $(( $(date +%s) - t0 )) s"
   fi
 }

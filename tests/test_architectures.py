@@ -3,10 +3,10 @@
 The parts are found through transformers' accessors (models/target.py), not one attribute
 path: the captured layer outputs must be HF's `hidden_states`, the final norm must turn the
 last one into HF's normed last state. Greedy speculative output must equal the target's own
-`generate` token for token with drafters that read no hidden state (n-gram, a draft model,
-a tree around the target's own path) and with untrained hidden-state drafters (EAGLE-3
-chain and tree, DFlash): untrained drafts are rejected, never let through; those drafters
-also learn from each family's features. `draftsmith plan` must read each family's spelling
+`generate` token for token with every name `eval --drafter` accepts (each registered method
+and decode variant: n-gram, a draft model, untrained MTP heads, EAGLE-3 chain and trees,
+DFlash, DSpark) and a tree around the target's own path: untrained drafts are rejected,
+never let through; the hidden-state drafters also learn from each family's features. `draftsmith plan` must read each family's spelling
 of its heads. A sliding-window cache rolls back past its window; trees on it, and targets
 with only a recurrent state, are refused in one line. A target whose layers cannot be found
 still decodes with n-gram, and a hidden-state drafter on it is refused in one line.
@@ -27,10 +27,14 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.dflash import DFlashProposer
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+from draftsmith.eval.proposers.dspark import DSparkProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
+from draftsmith.eval.proposers.mtp import MTPProposer
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.models.mtp import MTPDrafter
 from draftsmith.models.target import (
     _layer_path,
     _pp_plan,
@@ -39,6 +43,7 @@ from draftsmith.models.target import (
     target_forward,
     tiny_config,
 )
+from draftsmith.registry import proposer_names
 
 VOCAB = 256
 NEW = 20
@@ -129,23 +134,56 @@ def test_parts_are_found_and_capture_what_transformers_reports(world):
     torch.testing.assert_close(ours.logits, theirs.logits)
 
 
-def _eagle3(w, **options):
-    return Eagle3Proposer(Eagle3Drafter.from_target(w.target, draft_vocab_size=200), **options)
+def _eagle3(w, tree=False, **options):
+    # `tree` as eval/proposers/eagle3.py's load_proposer reads it (the eagle3_tree variants)
+    drafter = Eagle3Drafter.from_target(w.target, draft_vocab_size=200)
+    return Eagle3Proposer(drafter, **({"mode": "tree", "topk": 2, "depth": 3} if tree else {}), **options)
+
+
+def _dspark(w, **options):
+    config = DSparkConfig.from_target(w.target.config, mask_token_id=MASK, num_layers=1, block_size=5, markov_rank=8)
+    drafter = DSparkDrafter(config)
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.normal_(std=0.5)  # W2 starts at zero: let the refiner change logits
+    return DSparkProposer(drafter, w.target, **options)
+
+
+# One untrained (or test-only) proposer per registered method, built with a decode variant's
+# registered options; the lossless check runs every name `eval --drafter` accepts.
+METHOD_PROPOSERS = {
+    "ngram": lambda w, **o: NgramProposer(**o),
+    "draft_lm": lambda w, **o: DraftLMProposer(noisy_copy(w.target, scale=0.3, seed=1), w.target, **o),
+    "mtp": lambda w, **o: MTPProposer(MTPDrafter.for_target(w.target, num_depths=2), w.target, **o),
+    "eagle3": _eagle3,
+    "dflash": lambda w, **o: DFlashProposer(DFlashDrafter(DFlashConfig.from_target(
+        w.target.config, mask_token_id=MASK, num_layers=1, block_size=5)), w.target, **o),
+    "dspark": _dspark,
+}
+
+
+def registered_proposer(name: str):
+    method, options = proposer_names()[name]
+    if method.name not in METHOD_PROPOSERS:
+        pytest.fail(f"method {method.name!r} is registered but tests/test_architectures.py builds no proposer for it: "
+                    "add it to METHOD_PROPOSERS so it is checked losslessly on every family")
+    return lambda w: METHOD_PROPOSERS[method.name](w, **options)
 
 
 DRAFTERS = {
-    "ngram": lambda w: NgramProposer(),
-    "draft-lm": lambda w: DraftLMProposer(noisy_copy(w.target, scale=0.3, seed=1), w.target),
+    **{name: registered_proposer(name) for name in proposer_names()},
     "tree-oracle": lambda w: TreeAroundOracle(w.target, depth=4, width=3, break_prob=0.3, seed=1),
-    "eagle3-chain": lambda w: _eagle3(w),
-    "eagle3-tree": lambda w: _eagle3(w, mode="tree", topk=2, depth=3),
-    "dflash": lambda w: DFlashProposer(DFlashDrafter(DFlashConfig.from_target(
-        w.target.config, mask_token_id=MASK, num_layers=1, block_size=5)), w.target),
 }
 
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
-def test_greedy_output_equals_generate(world, drafter):
+def test_greedy_output_equals_generate(world, drafter, request):
+    if drafter in proposer_names() and proposer_names()[drafter][0].name == "mtp" \
+            and not hasattr(world.target.config, "rms_norm_eps"):
+        # MTP heads are RMSNorm (Llama-family) blocks: a LayerNorm family is refused in one line.
+        with pytest.raises(DraftsmithError, match="MTP heads need a target with RMSNorm layers") as refused:
+            DRAFTERS[drafter](world)
+        assert "\n" not in str(refused.value)
+        return
     torch.manual_seed(0)  # the untrained drafters' initial weights
     proposer = DRAFTERS[drafter](world)
     decoder = SpeculativeDecoder(world.target, proposer, num_draft=4)
@@ -214,7 +252,7 @@ def windowed():
     return SimpleNamespace(name="mistral-window", target=target, refs=refs)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-lm", "eagle3-chain"])
+@pytest.mark.parametrize("drafter", ["ngram", "draft_lm", "eagle3"])
 def test_sliding_window_target_rolls_back_past_its_window(windowed, drafter):
     torch.manual_seed(0)
     decoder = SpeculativeDecoder(windowed.target, DRAFTERS[drafter](windowed), num_draft=4)

@@ -14,7 +14,7 @@ import yaml
 from draftsmith.cli import build_parser, main
 from draftsmith.errors import DraftsmithError
 from draftsmith.recipe import DataSection, Recipe, load_recipe, recipe_to_dict
-from draftsmith.registry import METHODS, config_class
+from draftsmith.registry import METHODS, config_class, trainable
 from draftsmith.train import launch as launch_module
 from draftsmith.train.launch import accelerate_config, known_configs, launch, launch_argv
 from tiny_runs import ROOT, overrides
@@ -63,6 +63,57 @@ def test_every_option_of_every_subcommand_states_its_default():
     assert f"(default: the recipe's data.regen_top_k, else {DataSection().regen_top_k})" in regenerate
 
 
+def test_the_top_level_help_gives_every_command_one_example_that_parses(capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    examples = {}
+    for line in text.split("commands, one example each:\n")[1].splitlines():
+        if "draftsmith " in line:
+            command, example = line.split("draftsmith ", 1)
+            examples[tuple(command.split())] = example.split()
+    assert set(examples) == set(dict(leaf_parsers(parser))), examples.keys()
+    for words, example in examples.items():
+        args = parser.parse_args(example)  # every example is a valid command line
+        assert args.handler is dict(leaf_parsers(parser))[words].get_default("handler"), words
+
+
+def test_the_recipe_is_passed_one_way_to_every_command():
+    leaves = dict(leaf_parsers(build_parser()))
+    takes_a_recipe = {words for words, parser in leaves.items()
+                      if any(a.dest == "recipe" for a in parser._actions)}
+    assert {("train",), ("recipe", "show"), ("eval",), ("data", "regenerate"), ("data", "cache-hidden")} \
+        <= takes_a_recipe
+    for words in takes_a_recipe:
+        (action,) = [a for a in leaves[words]._actions if a.dest == "recipe"]
+        assert action.option_strings == ["--recipe"], words
+
+
+def test_a_recipe_written_first_without_the_option_is_still_taken(capsys):
+    for argv in (["recipe", "show", "--recipe", EAGLE3, "train.max_steps=3"],
+                 ["recipe", "show", EAGLE3, "train.max_steps=3"]):
+        assert main(argv) == 0
+        shown = yaml.safe_load(capsys.readouterr().out)
+        assert shown["method"]["name"] == "eagle3" and shown["train"]["max_steps"] == 3
+
+
+def test_eval_takes_the_recipes_sampling_seed_and_tile_and_flags_win(monkeypatch, tmp_path):
+    import draftsmith.eval.evaluate as evaluate
+
+    asked = []
+    monkeypatch.setattr(evaluate, "evaluate", lambda target, settings, out: asked.append(settings))
+    monkeypatch.setattr(evaluate, "print_summary", lambda *a: None)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"target": {"tile": 64}, "eval": {"top_k": 20, "top_p": 0.8, "seed": 7}}))
+    base = ["eval", "--target", "t", "--drafter", "ngram", "--out", str(tmp_path / "r")]
+    assert main([*base, "--recipe", str(recipe)]) == 0
+    assert main([*base, "--recipe", str(recipe), "--top-k", "0", "--top-p", "1", "--seed", "1", "--tile", "128"]) == 0
+    assert main(base) == 0
+    got = [(s.top_k, s.top_p, s.seed, s.tile) for s in asked]
+    assert got == [(20, 0.8, 7, 64), (0, 1.0, 1, 128), (0, 1.0, 0, 128)]
+
+
 # ---------------------------------------------------------------- data regenerate
 
 def regenerate_settings(monkeypatch, *argv) -> dict:
@@ -99,7 +150,7 @@ def test_regenerate_takes_the_recipes_sampling_and_flags_win(monkeypatch, tmp_pa
 def test_every_recipe_field_and_every_method_config_field_has_help():
     classes = [type(getattr(Recipe(), f.name)) for f in dataclasses.fields(Recipe)]
     configs = [config_class(name) for name, spec in METHODS.items() if spec.config]
-    assert len(classes) == 6 and len(configs) == 5
+    assert len(classes) == 6 and len(configs) == len(trainable())  # every trained method has its config
     for cls in [*classes, *configs]:
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help", "").strip(), f"{cls.__name__}.{f.name} has no help"
@@ -143,7 +194,7 @@ def test_the_launch_command_line(tmp_path):
     argv = launch_argv("cpu", "recipes/tiny/mtp.yaml", ["train.max_steps=2", "method.num_depths=1"])
     assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
     assert argv[3:] == ["--config_file", str(ROOT / "recipes" / "accelerate" / "cpu.yaml"), "-m", "draftsmith.train",
-                        "recipes/tiny/mtp.yaml", "train.max_steps=2", "method.num_depths=1"]
+                        "--recipe", "recipes/tiny/mtp.yaml", "train.max_steps=2", "method.num_depths=1"]
     own = tmp_path / "mine.yaml"
     own.write_text("distributed_type: 'NO'\n")
     assert launch_argv(str(own), "r.yaml")[4] == str(own)  # a file is taken as it is

@@ -102,13 +102,39 @@ def test_unknown_shape_names_keys_and_shapes(tmp_path):
     assert "turns, conversations, messages, prompt" in message and "\n" not in message
 
 
+@pytest.mark.parametrize("speaker", ["human", "user", "gpt", "chatgpt", "bing", "bard", "assistant", "system"])
+def test_sharegpt_speakers_as_specforge_maps_them(tmp_path, speaker):
+    role = {"human": "user", "user": "user", "system": "system"}.get(speaker, "assistant")
+    path = write_jsonl(tmp_path / "speakers.jsonl", [{"conversations": [{"from": speaker, "value": "text"}]}])
+    assert load_conversations(path) == [[{"role": role, "content": "text"}]]
+
+
+def test_rows_with_unmappable_roles_are_skipped_and_counted_in_one_line(tmp_path, capsys):
+    good = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bing", "value": "Hello."}]}
+    path = write_jsonl(tmp_path / "crawl.jsonl", [
+        good,
+        {"conversations": [{"from": "human", "value": "Hi"}, {"from": "robot", "value": "beep"}]},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey."}]},
+        {"messages": [{"role": "narrator", "content": "Once"}]},
+        {"conversations": [{"from": "robot", "value": "again"}]},
+    ])
+    assert load_conversations(path) == [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey."}],
+    ]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "crawl.jsonl: skipped 3 of 5 records" in err
+    assert "'robot' (first in record 1), 'narrator' (first in record 3)" in err
+
+
 @pytest.mark.parametrize("record", [
     {"conversations": [{"from": "robot", "value": "beep"}]},
     {"messages": [{"role": "narrator", "content": "Once"}]},
 ])
-def test_unknown_role(tmp_path, record):
+def test_a_file_of_nothing_but_unmappable_roles_is_an_error(tmp_path, record):
     path = write_jsonl(tmp_path / "roles.jsonl", [record])
-    with pytest.raises(DraftsmithError, match=r"roles.jsonl: record 0: unknown role '(robot|narrator)'"):
+    with pytest.raises(DraftsmithError, match=r"roles.jsonl: every record has a role that maps to none of user, "
+                                              r"assistant, system: '(robot|narrator)' \(first in record 0\)"):
         load_conversations(path)
 
 

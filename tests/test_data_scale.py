@@ -16,12 +16,12 @@ import draftsmith.data.regen_server as regen_server
 from draftsmith.cli import main
 from draftsmith.data.conversations import load_conversations
 from draftsmith.data.corpus import load_embedded_corpus
+from draftsmith.data.feature_cache import write_feature_cache
 from draftsmith.data.local_server import LocalServer, free_port
 from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
 from draftsmith.data.regenerate import embedded_conversations, regenerate
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_cache import write_feature_cache
 from draftsmith.models.target import build_tiny_target, load_target
 from draftsmith.processes import Processes
 from test_regenerate import CONVERSATIONS as REGEN_CONVERSATIONS
@@ -76,7 +76,7 @@ def greedy_in_process(target, tokenizer, conversations, out, plain=False):
 
 
 def fast_limits(**extra) -> Limits:
-    return Limits(**{"in_flight": 2, "timeout": 60.0, "retries": 1, "backoff": 0.05, **extra})
+    return Limits(**{"in_flight": 2, "timeout": 60.0, "retries": 1, **extra})
 
 
 # ---------------------------------------------------------------- through the server
@@ -190,7 +190,7 @@ def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target
         def __init__(self, url, target, tokenizer, plain, sampling, limits):
             self.sampling = sampling
 
-        def complete(self, history, seed):
+        def complete(self, history, seed, request=""):
             return f"reply {seed}", 1
 
     answer, asked = regen_server.answer_conversation, []
@@ -206,8 +206,8 @@ def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target
     monkeypatch.setattr(regen_server, "ServerClient", Stand)
     folder, out = tmp_path / "target", tmp_path / "regen.jsonl"
     shutil.copytree(target_dir, folder)
-    sampling = regen_server.Sampling(NEW_TOKENS, 0.0, 1.0, 0, 0, (0,), 0)
-    run = lambda: regenerate_via_servers(["stand-in"], str(folder), tokenizer, CONVERSATIONS, out,  # noqa: E731
+    sampling = regen_server.ReplyDecoding(max_new_tokens=NEW_TOKENS, stop_ids=(0,))
+    run = lambda: regenerate_via_servers(["http://stand-in"], str(folder), tokenizer, CONVERSATIONS, out,  # noqa: E731
                                          sampling, limits=fast_limits(in_flight=1))
     for fail, first_asked in ((2, 0), (4, 2)):  # the second run resumes after the first's two answers
         monkeypatch.setattr(regen_server, "answer_conversation", stop_at(fail))
@@ -318,7 +318,8 @@ def test_dataset_folders_in_the_hub_layout_give_conversations(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (dict(path="nobody/no-such-dataset"), "dataset nobody/no-such-dataset (split 'train'): Couldn't reach"),
+    (dict(path="nobody/no-such-dataset"), "dataset nobody/no-such-dataset: not a local path, and not in the "
+                                          "Hugging Face cache"),
     (dict(split="validation"), "Unknown split"),
     (dict(split="train_sft", columns={"messages": "chosen"}),
      "data.columns: {hub} has no column 'chosen' for messages (columns: messages, prompt, prompt_id)"),
@@ -333,72 +334,6 @@ def test_bad_datasets_are_refused_in_one_line(tmp_path, args, message):
         load_conversations(**args)
     text = str(caught.value)
     assert message.replace("{hub}", str(folder)) in text and "\n" not in text
-
-
-# ---------------------------------------------------------------- retries
-
-def test_timeouts_and_5xx_are_retried_with_backoff_then_reported(tmp_path):
-    """A loopback stdlib server that fails the first requests: the client retries a bounded
-    number of times and then names the last failure; 4xx is never retried."""
-    import http.server
-    import threading
-    import time
-
-    from draftsmith.data.regen_server import Endpoint, _Refused
-
-    failures = {"left": 2, "slow": 1}
-    calls = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *args):  # quiet
-            pass
-
-        def do_POST(self):
-            calls.append(self.path)
-            self.rfile.read(int(self.headers["Content-Length"]))
-            code, body = (200, {"ok": True})
-            if self.path == "/slow" and failures["slow"] > 0:
-                failures["slow"] -= 1
-                time.sleep(1.0)  # past the client's timeout: it has given up on this one
-            elif self.path == "/bad":
-                code, body = 422, {"detail": "Unexpected fields in the request: {'top_k'}"}
-            elif failures["left"] > 0:
-                failures["left"] -= 1
-                code, body = 503, {"error": {"message": "overloaded"}}
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            try:
-                self.end_headers()
-                self.wfile.write(data)
-            except BrokenPipeError:  # the client timed out and left
-                pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-        assert Endpoint(url, Limits(retries=2, backoff=0.01)).call("/ok", {}) == {"ok": True}
-        assert len(calls) == 3  # two 503s, then the answer
-
-        failures["left"], calls[:] = 5, []
-        with pytest.raises(DraftsmithError, match=r"HTTP 503 on /ok: overloaded \(gave up after 2 tries\)"):
-            Endpoint(url, Limits(retries=1, backoff=0.01)).call("/ok", {})
-        assert len(calls) == 2
-
-        failures["left"], calls[:] = 0, []
-        assert Endpoint(url, Limits(retries=1, backoff=0.01, timeout=0.3)).call("/slow", {}) == {"ok": True}
-        assert calls == ["/slow", "/slow"]
-
-        calls[:] = []
-        with pytest.raises(_Refused, match="HTTP 422 on /bad: Unexpected fields"):
-            Endpoint(url, Limits(retries=3, backoff=0.01)).call("/bad", {})
-        assert calls == ["/bad"]
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.slow  # two launched processes, each importing torch and transformers

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import yaml
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.train import launch_checks
@@ -60,7 +61,7 @@ def test_ddp_and_zero2_agree_with_one_process_and_fsdp2_says_why_not(tmp_path):
 
 # Runs the real loop under 2-process DDP, keeping what it built and what prepare returned.
 FROZEN = textwrap.dedent("""
-    import sys
+    import os, sys
     from torch.nn.parallel import DistributedDataParallel
     from draftsmith.recipe import load_recipe
     from draftsmith.train import loop
@@ -76,9 +77,10 @@ FROZEN = textwrap.dedent("""
         accelerator = make(recipe, out_dir)
         prepare = accelerator.prepare
 
-        def keep(*objects):
-            seen["prepared"] = prepare(*objects)
-            return seen["prepared"]
+        def keep(*objects):  # the first call's: model, optimizer, loaders (the schedule comes after)
+            prepared = prepare(*objects)
+            seen.setdefault("prepared", prepared)
+            return prepared
 
         accelerator.prepare = keep
         return accelerator
@@ -173,3 +175,125 @@ def test_a_gpu_config_on_a_machine_without_gpus_stops_every_process(tmp_path):
     assert done.returncode != 0
     assert done.stderr.count("draftsmith: error: accelerate launched 2 processes for GPUs") == 2, done.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- the process group's timeout
+
+WAIT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from draftsmith.recipe import load_recipe
+    from draftsmith.train.loop import make_accelerator
+
+    recipe = load_recipe(None, [f"train.dist_timeout={sys.argv[1]}", "tracking.report_to=none"])
+    accelerator = make_accelerator(recipe, Path(sys.argv[2]))
+    with accelerator.main_process_first():  # as the main process regenerates while the others wait
+        if accelerator.is_main_process:
+            time.sleep(float(sys.argv[3]))
+    print("waited", accelerator.process_index, flush=True)
+""")
+
+
+def test_the_recipes_dist_timeout_bounds_the_wait_for_the_main_process(tmp_path):
+    """train.dist_timeout reaches the process group: a wait longer than it fails (gloo's own
+    default, 30 minutes, would let this 60 s wait pass), a shorter one passes. 15 s, not less:
+    the same timeout bounds the process group's start, and two processes importing torch on a
+    loaded 2-core machine can start seconds apart."""
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT)
+    done = launch("ddp", str(script), "0.25", str(tmp_path / "run"), "60")  # 15 s to wait, 60 s of work
+    assert done.returncode != 0 and "waited 1" not in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "Timed out waiting 15000ms" in done.stderr, done.stderr[-2000:]
+    done = launch("ddp", str(script), "1", str(tmp_path / "run"), "2")  # 60 s to wait, 2 s of work
+    assert done.returncode == 0 and "waited 1" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- accelerate configs from anywhere
+
+DEEPSPEED = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from draftsmith.recipe import load_recipe
+    from draftsmith.train.loop import make_accelerator
+
+    accelerator = make_accelerator(load_recipe(None, ["tracking.report_to=none"]), Path(sys.argv[1]))
+    zero = accelerator.deepspeed_plugin.deepspeed_config["zero_optimization"]
+    print("zero", zero["stage"], zero["reduce_bucket_size"], flush=True)
+""")
+
+
+@pytest.mark.parametrize("name, stage", [("zero2", 2), ("zero3", 3)])
+def test_the_deepspeed_configs_are_found_from_any_working_directory(tmp_path, monkeypatch, name, stage):
+    from draftsmith.train.launch import launch_argv
+
+    monkeypatch.chdir(tmp_path)  # not the repository: accelerate alone would miss recipes/accelerate/ds_*.json
+    argv = launch_argv(name, "r.yaml")
+    written = yaml.safe_load(open(argv[4]).read())["deepspeed_config"]["deepspeed_config_file"]
+    assert written == str(ROOT / "recipes" / "accelerate" / f"ds_{name}.json")
+    assert launch_argv(name, "r.yaml") == argv  # the same copy, not one more per launch
+    if name == "zero3":
+        return
+    script = tmp_path / "zero_check.py"  # not deepspeed.py: the script's folder comes first on sys.path
+    script.write_text(DEEPSPEED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([*argv[:5], "--num_processes", "2", "--mixed_precision", "no", "--main_process_port",
+                           free_port(), str(script),
+                           str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.count(f"zero {stage} 50000000") == 2, done.stdout + done.stderr[-3000:]
+
+
+def test_a_users_config_finds_its_json_beside_it_or_says_where_it_looked(tmp_path, monkeypatch):
+    from draftsmith.train.launch import launch_argv
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    (folder / "mine.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: ds.json\n")
+    (folder / "lost.yaml").write_text("distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: no.json\n")
+    monkeypatch.chdir(tmp_path)
+    copy = yaml.safe_load(open(launch_argv(str(folder / "mine.yaml"), "r.yaml")[4]).read())
+    assert copy["deepspeed_config"]["deepspeed_config_file"] == str(folder / "ds.json")
+    with pytest.raises(DraftsmithError, match=r"lost.yaml: deepspeed_config_file no.json is neither under the "
+                                              r"working directory nor under .*configs or a folder above it"):
+        launch_argv(str(folder / "lost.yaml"), "r.yaml")
+
+
+# ---------------------------------------------------------------- FSDP2's shard units
+
+def trained_model(method: str, arch: str, tmp_path):
+    """The module `train` prepares for `method`: MTP's target with its heads, or a post-hoc
+    drafter in its loss wrapper (built directly: no target run or regeneration needed)."""
+    from draftsmith.train.method import build_method
+
+    if method == "mtp":
+        return build_method(tiny_recipe("mtp", tmp_path / "run", target__arch=arch, target__num_layers=4), "cpu").model
+    from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+    from draftsmith.models.target import build_tiny_target
+    from draftsmith.train.posthoc import LossForward
+
+    target = build_tiny_target(arch=arch, vocab_size=64, num_layers=4, hidden_size=32, num_heads=2, num_kv_heads=1)
+    return LossForward(DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=1, num_layers=2,
+                                                              block_size=4, target_layer_ids=[1, 2])))
+
+
+@pytest.mark.parametrize("method, arch, expected", [
+    ("mtp", "qwen3", ["MTPLayer", "Qwen3DecoderLayer"]),  # the target trained with its heads
+    ("mtp", "llama", ["LlamaDecoderLayer", "MTPLayer"]),
+    ("dflash", "llama", ["DFlashLayer"]),
+])
+def test_fsdp2_shards_the_layers_of_the_model_being_trained(tmp_path, method, arch, expected):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    from draftsmith.train.launch_checks import set_fsdp_wrap_classes
+
+    config = yaml.safe_load((ROOT / "recipes" / "accelerate" / "fsdp2.yaml").read_text())["fsdp_config"]
+    assert "fsdp_transformer_layer_cls_to_wrap" not in config  # one family's class would refuse the others
+    assert config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    model = trained_model(method, arch, tmp_path)
+    set_fsdp_wrap_classes(model)
+    assert model._no_split_modules == expected
+    # accelerate's own TRANSFORMER_BASED_WRAP, with no class named in the config, shards those layers.
+    policy = fsdp2_prepare_auto_wrap_policy(
+        FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap"), model)
+    assert {type(m).__name__ for m in model.modules() if policy(m)} == set(expected)

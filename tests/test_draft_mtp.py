@@ -55,11 +55,12 @@ def test_drafts_follow_deepseek_depth_semantics_across_steps(arch):
         n += accepted + 1
 
 
-@pytest.mark.parametrize("mode", ["engine", "exact"])
+@pytest.mark.parametrize("mode,modules", [("engine", None), ("engine", 1), ("exact", None)])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_mtp_decoding_is_lossless(arch, mode):
+def test_mtp_decoding_is_lossless(arch, mode, modules):
     target, heads = tiny(arch)
-    decoder = SpeculativeDecoder(target, MTPProposer(heads, target, mode=mode), num_draft=4, eos_token_id=())
+    proposer = MTPProposer(heads, target, mode=mode, modules=modules)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=4, eos_token_id=())
     for seed in range(3):
         prompt = torch.randint(0, 61, (5 + seed,), generator=torch.Generator().manual_seed(seed))
         expected = target.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -134,3 +135,31 @@ def test_an_unknown_mode_is_one_line():
     target, heads = tiny("llama")
     with pytest.raises(DraftsmithError, match="MTP drafting mode 'tree' does not exist \\(modes: engine, exact\\)"):
         MTPProposer(heads, target, mode="tree")
+
+
+def test_module_one_chain_is_what_a_one_module_export_drafts():
+    """`mtp_nextn` (modules=1): module 1 for every draft, as SGLang's NextN and vLLM's
+    EAGLE-style proposer run it: the same drafts as the heads cut to module 1, and from
+    draft 2 on not the K-module chain's (which runs module 2 there)."""
+    target, heads = tiny("llama", depths=2)
+    one = MTPDrafter.__new__(MTPDrafter)
+    nn.Module.__init__(one)
+    one.config, one.layers = heads.config, nn.ModuleList([heads.layers[0]])
+    ids = torch.randint(0, 61, (30,), generator=torch.Generator().manual_seed(3))
+    nextn, cut, chain = (MTPProposer(heads, target, modules=1), MTPProposer(one, target),
+                         MTPProposer(heads, target))
+    sampling = SamplingParams(temperature=1.0)
+    n = 9
+    for p in (nextn, cut, chain):
+        start(p, target, ids, n)
+    for accepted in (2, 0, 3):
+        a, b, c = (p.propose(5, sampling, torch.Generator().manual_seed(n)) for p in (nextn, cut, chain))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
+        torch.testing.assert_close(a.probs[0], c.probs[0])
+        assert not torch.allclose(a.probs[1], c.probs[1], rtol=1e-3, atol=1e-5)
+        for p in (nextn, cut, chain):
+            commit(p, target, ids, n, accepted)
+        n += accepted + 1
+    assert nextn.report_extra()["mtp_modules"] == 1
+    with pytest.raises(DraftsmithError, match="modules=3: the engine mode chains modules 1..m of the 2 trained"):
+        MTPProposer(heads, target, modules=3)

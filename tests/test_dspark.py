@@ -12,7 +12,10 @@ from decoding_helpers import begin_like_decoder
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.base import GREEDY, SamplingParams
-from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer, load_proposer
+from draftsmith.eval.proposers.dflash import DFlashProposer
+from draftsmith.eval.proposers.dflash import load_proposer as load_dflash
+from draftsmith.eval.proposers.dspark import DSparkProposer
+from draftsmith.eval.proposers.dspark import load_proposer as load_dspark
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import (
     ANCHOR_IS_CONTEXT,
@@ -235,7 +238,7 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
     save_drafter(drafter, tmp_path / "native")
     before = drafts(drafter)
     for reloaded in (load_any(tmp_path / "dspark", "dspark"), load_drafter(tmp_path / "native", "dspark"),
-                     load_proposer(tmp_path / "dspark", target, "dspark").drafter):
+                     load_dspark(tmp_path / "dspark", target).drafter):
         after = drafts(reloaded)
         assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
@@ -248,9 +251,9 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
         (lambda: load_any(tmp_path / "dflash", "dspark"), "holds a dflash drafter, not dspark .*as dflash:"),
         (lambda: load_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
         (lambda: load_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
-        (lambda: load_proposer(tmp_path / "native", target, "dflash"), "holds a dspark drafter, not dflash"),
-        (lambda: load_proposer(tmp_path / "dflash", target, "dspark"), "holds a dflash drafter, not dspark"),
-        (lambda: load_proposer(tmp_path / "dflash", narrow, "dflash"), "hidden size 64, the target has 32"),
+        (lambda: load_dflash(tmp_path / "native", target), "holds a dspark drafter, not dflash"),
+        (lambda: load_dspark(tmp_path / "dflash", target), "holds a dflash drafter, not dspark"),
+        (lambda: load_dflash(tmp_path / "dflash", narrow), "hidden size 64, the target has 32"),
         (lambda: export_dflash_zlab(drafter, tmp_path / "x"), "this is a DSpark drafter"),
         (lambda: export_dspark_specforge(dflash, tmp_path / "x"), "this is a DFlash drafter"),
     ):
@@ -275,13 +278,13 @@ def test_greedy_speculative_output_equals_target_generate(arch):
 
 def test_eval_sets_the_threshold_per_run_and_refuses_one_outside_0_1(target, tmp_path, capsys):
     from draftsmith.cli import main
-    from draftsmith.eval.proposers import proposer_from_spec
+    from draftsmith.eval.proposers import proposer_from_arg
 
     drafter = dspark_for(target, confidence_threshold=0.2)
     save_drafter(drafter, tmp_path / "native")
-    assert proposer_from_spec(f"dspark:{tmp_path / 'native'}", target).threshold == 0.2  # the checkpoint's
-    chosen = proposer_from_spec(f"dspark:{tmp_path / 'native'}", target, {"dspark": {"confidence_threshold": 0.0}})
-    assert chosen.threshold == 0.0 and chosen.report_extra()["confidence_threshold"] == 0.0
+    assert proposer_from_arg(f"dspark:{tmp_path / 'native'}", target).confidence_threshold == 0.2  # the checkpoint's
+    chosen = proposer_from_arg(f"dspark:{tmp_path / 'native'}", target, {"dspark": {"confidence_threshold": 0.0}})
+    assert chosen.confidence_threshold == 0.0 and chosen.report_extra()["confidence_threshold"] == 0.0
     code = main(["eval", "--target", str(tmp_path), "--drafter", f"dspark:{tmp_path / 'native'}",
                  "--confidence-threshold", "1.5", "--out", str(tmp_path / "report")])
     err = capsys.readouterr().err.strip()

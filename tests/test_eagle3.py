@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 from draftsmith.data.draft_vocab import build_draft_vocab
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers import proposer_from_spec
+from draftsmith.eval.proposers import proposer_from_arg
 from draftsmith.eval.proposers.base import SamplingParams
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.models.eagle3 import (
@@ -284,7 +284,7 @@ def test_export_layout(trained, tmp_path, engine):
 def _drafts(target, drafter, seqs, mode):
     decoder = SpeculativeDecoder(target, Eagle3Proposer(drafter, mode=mode), num_draft=6, eos_token_id=())
     state = decoder.start(seqs[0, :PROMPT], 16)
-    return decoder.drafter.propose(6, SamplingParams(), None), state
+    return decoder.proposer.propose(6, SamplingParams(), None), state
 
 
 def test_reload_gives_identical_drafts(trained, tmp_path):
@@ -317,7 +317,7 @@ def test_eval_specs_load_native_runs_and_exports(trained, tmp_path):
     save_drafter(drafter, tmp_path / "run" / "model")
     export_eagle3(drafter, tmp_path / "vllm", "vllm")
     for spec, mode in (("eagle3:{}/run", "chain"), ("eagle3_tree:{}/vllm", "tree")):
-        proposer = proposer_from_spec(spec.format(tmp_path), target)
+        proposer = proposer_from_arg(spec.format(tmp_path), target)
         assert proposer.mode == mode and proposer.name == spec.split(":")[0]
         decoder = SpeculativeDecoder(target, proposer, num_draft=5, eos_token_id=())
         assert torch.equal(decoder.generate(seqs[3, :PROMPT], 12).tokens, seqs[3, PROMPT : PROMPT + 12])
@@ -325,7 +325,7 @@ def test_eval_specs_load_native_runs_and_exports(trained, tmp_path):
     meta = json.loads((tmp_path / "other" / "config.json").read_text())
     (tmp_path / "other" / "config.json").write_text(json.dumps({**meta, "method": "dflash"}))
     with pytest.raises(DraftsmithError, match="holds a dflash drafter, not eagle3"):
-        proposer_from_spec(f"eagle3:{tmp_path}/other", target)
+        proposer_from_arg(f"eagle3:{tmp_path}/other", target)
 
 
 def test_reload_refuses_disagreeing_layer_ids(trained, tmp_path):
@@ -440,7 +440,7 @@ def test_a_tree_whose_drafter_is_certain_is_a_chain(trained):
     sure = certain(drafter)
     decoder = SpeculativeDecoder(target, Eagle3Proposer(sure, mode="tree"), num_draft=7, eos_token_id=())
     decoder.start(seqs[0, :PROMPT], 16)
-    tree = decoder.drafter.propose(7, SamplingParams(), None)
+    tree = decoder.proposer.propose(7, SamplingParams(), None)
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3, 4, 5]  # one path, 7 deep (the old depth cap was 6)
     chain = Eagle3Proposer(sure, mode="chain")
     SpeculativeDecoder(target, chain, num_draft=7, eos_token_id=()).start(seqs[0, :PROMPT], 16)

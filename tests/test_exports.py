@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from decoding_helpers import begin_like_decoder
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers import proposer_from_spec
+from draftsmith.eval.proposers import proposer_from_arg
 from draftsmith.eval.proposers.base import GREEDY, SamplingParams
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, DSparkConfig, DSparkDrafter
@@ -82,8 +82,8 @@ def drafts(proposer, target, prompt, n=4):
 
 
 def assert_same_drafts(spec_a, spec_b, target, prompt):
-    first = drafts(proposer_from_spec(spec_a, target), target, prompt)
-    second = drafts(proposer_from_spec(spec_b, target), target, prompt)
+    first = drafts(proposer_from_arg(spec_a, target), target, prompt)
+    second = drafts(proposer_from_arg(spec_b, target), target, prompt)
     for a, b in zip(first, second):
         assert (a is None and b is None) or torch.equal(a, b)
 
@@ -169,11 +169,11 @@ def test_zlab_and_specforge_exports_load_with_transformers_alone(target, tmp_pat
             torch.testing.assert_close(model.confidence_logits(theirs, prev), drafter.confidence_logits(ours, prev))
 
 
-def tiny_deepseek(seed=1):
+def tiny_deepseek(seed=1, layers=3):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=128)
@@ -193,12 +193,12 @@ def mtp_run(tmp_path, target, name):
     return tmp_path / name
 
 
-def test_mtp_deepseek_layout_round_trips_and_keeps_the_target_loadable(tmp_path):
+def test_mtp_vllm_layout_round_trips_and_keeps_the_target_loadable(tmp_path):
     from transformers import AutoModelForCausalLM
 
     target = tiny_deepseek()
     run = mtp_run(tmp_path, target, "ds")
-    out = export_run(run, "deepseek", tmp_path / "ds-export")
+    out = export_run(run, "vllm", tmp_path / "ds-export")
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 3
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -223,7 +223,7 @@ def test_mtp_deepseek_layout_round_trips_and_keeps_the_target_loadable(tmp_path)
     sharded = tmp_path / "sharded" / "model"
     target.save_pretrained(sharded, max_shard_size="20KB")
     (sharded / MTP_DIR).symlink_to(run / "model" / MTP_DIR)
-    out = export_run(sharded.parent, "deepseek", tmp_path / "sharded-export")
+    out = export_run(sharded.parent, "vllm", tmp_path / "sharded-export")
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert index["model.layers.4.eh_proj.weight"] == "model-mtp.safetensors"
     assert len(set(index.values())) > 2
@@ -235,7 +235,7 @@ def test_mtp_export_of_a_llama_target_says_it_is_for_our_own_decoder(tmp_path, c
                                       num_heads=4, num_kv_heads=1))
     run = mtp_run(tmp_path, target, "llama")
     capsys.readouterr()
-    assert main(["export", str(run), "--format", "deepseek", "--out", str(tmp_path / "out")]) == 2
+    assert main(["export", str(run), "--format", "vllm", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("draftsmith: error: ") and err.count("\n") == 1
     assert "for draftsmith's own decoder" in err and "LlamaForCausalLM" in err
@@ -352,14 +352,14 @@ def test_bad_folders_are_one_line_errors_naming_what_was_expected(target, tmp_pa
                         (f"eagle3:{exports['dspark']}", "holds a dspark drafter, not eagle3"),
                         (f"dflash:{deepspec}", "holds a dspark drafter, not dflash"),
                         (f"dspark:{exports['dflash']}", "holds a dflash drafter, not dspark")):
-        one_line_error(lambda: proposer_from_spec(spec, target), match)
+        one_line_error(lambda: proposer_from_arg(spec, target), match)
     # A layout nobody writes.
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
     for method, expected in (("eagle3", "LlamaForCausalLMEagle3"), ("dflash", "DFlashDraftModel"),
                              ("dspark", "Qwen3DSparkModel")):
-        one_line_error(lambda: proposer_from_spec(f"{method}:{unknown}", target), f"MedusaModel.*expected.*{expected}")
+        one_line_error(lambda: proposer_from_arg(f"{method}:{unknown}", target), f"MedusaModel.*expected.*{expected}")
     # A layout missing a weight.
     for folder, name in ((exports["eagle3"], "fc.weight"), (exports["dspark"], "markov_head.markov_w2.weight"),
                          (deepspec, "lm_head.weight")):
@@ -367,23 +367,188 @@ def test_bad_folders_are_one_line_errors_naming_what_was_expected(target, tmp_pa
         del weights[name]
         save_file(weights, str(folder / "model.safetensors"))
         method = "eagle3" if folder == exports["eagle3"] else "dspark"
-        one_line_error(lambda: proposer_from_spec(f"{method}:{folder}", target), re.escape(name))
+        one_line_error(lambda: proposer_from_arg(f"{method}:{folder}", target), re.escape(name))
     # A checkpoint whose vocabulary or hidden size does not fit the target.
     wide = freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=32,
                                     num_heads=4, num_kv_heads=2))
     other_vocab = freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB * 2, num_layers=6, hidden_size=64,
                                            num_heads=4, num_kv_heads=2))
-    one_line_error(lambda: proposer_from_spec(f"dflash:{exports['dflash']}", wide), "hidden size 64, the target has 32")
+    one_line_error(lambda: proposer_from_arg(f"dflash:{exports['dflash']}", wide), "hidden size 64, the target has 32")
     eagle = export_run(tmp_path / "eagle3", "sglang", tmp_path / "eagle3-sglang")
-    one_line_error(lambda: proposer_from_spec(f"eagle3:{eagle}", other_vocab), "vocabulary 128 .* has 256")
+    one_line_error(lambda: proposer_from_arg(f"eagle3:{eagle}", other_vocab), "vocabulary 128 .* has 256")
     ok = export_dspark_deepspec(dspark(target), tmp_path / "deepspec-ok", target)
-    one_line_error(lambda: proposer_from_spec(f"dspark:{ok}", other_vocab), "embed_tokens.weight has shape")
+    one_line_error(lambda: proposer_from_arg(f"dspark:{ok}", other_vocab), "embed_tokens.weight has shape")
 
 
 def test_mtp_deepseek_folder_for_another_target_is_refused(tmp_path):
     target = tiny_deepseek()
-    out = export_run(mtp_run(tmp_path, target, "ds"), "deepseek", tmp_path / "ds-export")
+    out = export_run(mtp_run(tmp_path, target, "ds"), "vllm", tmp_path / "ds-export")
     other = freeze(build_tiny_target(seed=1, arch="llama", vocab_size=VOCAB, num_layers=2, hidden_size=32,
                                      num_heads=4, num_kv_heads=1))
-    one_line_error(lambda: proposer_from_spec(f"mtp:{out}", other), "target with 3 layers .* the target has 2")
-    one_line_error(lambda: proposer_from_spec(f"dflash:{out}", target), "holds a mtp drafter, not dflash")
+    one_line_error(lambda: proposer_from_arg(f"mtp:{out}", other), "deepseek_v3 target, not of the llama target")
+    one_line_error(lambda: proposer_from_arg(f"mtp:{out}", tiny_deepseek(layers=2)),
+                   "target with 3 layers .* the target has 2")
+    one_line_error(lambda: proposer_from_arg(f"dflash:{out}", target), "holds a mtp drafter, not dflash")
+
+
+# ---------------------------------------------------------------- what each engine reads, restated
+
+def sglang_nextn_reads(config: dict, names: set[str]) -> set[str]:
+    """SGLang's NextN loader (python/sglang/srt/models/deepseek_nextn.py @ c28bdc9012d2 ->
+    DeepseekV3ForCausalLM.load_weights(is_nextn=True) in deepseek_v2.py): asserts
+    num_nextn_predict_layers == 1, reads the module under model.layers.{N} (0 when N == 1),
+    `enorm`/`hnorm`/`eh_proj`/`shared_head.norm` as its own, everything else under the prefix
+    as the decoder block, and skips `shared_head.head` and `embed_tokens` (the target's)."""
+    assert config["num_nextn_predict_layers"] == 1, "Only 1 nextn layer is supported"
+    n = config["num_hidden_layers"]
+    prefix = f"model.layers.{0 if n == 1 else n}."
+    return {name.removeprefix(prefix) for name in names if name.startswith(prefix)
+            and "shared_head.head" not in name and "embed_tokens" not in name}
+
+
+def test_mtp_sglang_layout_is_module_one_alone_and_says_so(tmp_path, capsys):
+    target = tiny_deepseek()
+    run = mtp_run(tmp_path, target, "ds")
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "sglang", "--out", str(tmp_path / "sglang")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert sum("wrote module 1 of 2" in line for line in printed) == 1  # the one line a K-module run gets
+    out = tmp_path / "sglang"
+    config = json.loads((out / "config.json").read_text())
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    module = sglang_nextn_reads(config, names)
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight"} <= module
+    assert "mlp.experts.3.gate_proj.weight" in module and not any(n.startswith("model.layers.4.") for n in names)
+    # SGLang's loader refuses the vLLM layout of the same run (two modules).
+    vllm = export_run(run, "vllm", tmp_path / "vllm")
+    with pytest.raises(AssertionError, match="Only 1 nextn layer"):
+        sglang_nextn_reads(json.loads((vllm / "config.json").read_text()), names)
+    # The folder reads back as a one-module drafter whose module is the run's module 1.
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(0))
+    ours, one = proposer_from_arg(f"mtp:{run}", target), proposer_from_arg(f"mtp:{out}", target)
+    assert one.heads.num_depths == 1
+    for a, b in zip(ours.heads.layers[0].parameters(), one.heads.layers[0].parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(drafts(ours, target, prompt, n=1)[0], drafts(one, target, prompt, n=1)[0])
+    # ... and drafts every position as `mtp_nextn` of the run: module 1 chained, as SGLang runs it.
+    assert_same_drafts(f"mtp_nextn:{run}", f"mtp:{out}", target, prompt)
+    # The printed command chains the one module over the tile rule's D (MLA: G = H = 4, D = 31).
+    sglang = next(line for line in printed if "sglang.launch_server" in line)
+    assert f"--model-path {out}" in sglang and "--speculative-algorithm EAGLE" in sglang
+    assert "--speculative-num-steps 31 --speculative-eagle-topk 1 --speculative-num-draft-tokens 32" in sglang
+
+
+def test_mtp_export_keeps_the_target_dtype(tmp_path):
+    run = mtp_run(tmp_path, tiny_deepseek(), "ds")
+    one_line_error(lambda: export_run(run, "vllm", tmp_path / "x", dtype="bfloat16"), "in the target's dtype .float32")
+    assert not (tmp_path / "x").exists()
+
+
+# SGLang python/sglang/srt/speculative/dspark_components/dspark_config.py @ 01f476234ab4
+# (parse_dspark_draft_config): markov_rank from dspark_config, else the text config / top
+# level, never from dflash_config; markov_head_type required with it. models/dspark.py
+# there registers only Qwen3DSparkModel. vLLM's registry: Qwen3DSparkModel ->
+# qwen3_dspark.Qwen3DSparkForCausalLM (@ 0302ff404394: top-level markov_rank,
+# enable_confidence_head, confidence_head_with_markov), DSparkDraftModel -> DeepSeek-V4.
+def sglang_dspark_reads(config: dict) -> dict:
+    assert config["architectures"] == ["Qwen3DSparkModel"], "not SGLang's DSpark entry class"
+    nested = config.get("dspark_config") or {}
+    rank = int(nested.get("markov_rank", config.get("markov_rank", 0)) or 0)
+    assert rank > 0, "DSpark requires markov_rank > 0"
+    head = nested.get("markov_head_type", config.get("markov_head_type"))
+    assert head in ("vanilla", "gated", "rnn")
+    block = (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
+    return {"markov_rank": rank, "markov_head_type": head, "gamma": block}
+
+
+def vllm_dspark_reads(config: dict) -> dict:
+    registry = {"Qwen3DSparkModel": "Qwen3DSparkForCausalLM", "DSparkDraftModel": "DSparkDeepseekV4ForCausalLM"}
+    assert registry[config["architectures"][0]] == "Qwen3DSparkForCausalLM", "sent to the DeepSeek-V4 class"
+    ids = config.get("eagle_aux_hidden_state_layer_ids") or [
+        i + 1 for i in ((config.get("dflash_config") or {}).get("target_layer_ids") or config["target_layer_ids"])]
+    return {"markov_rank": config["markov_rank"], "confidence": config.get("enable_confidence_head", False),
+            "with_markov": config.get("confidence_head_with_markov", False), "aux_layer_ids": ids,
+            "block_size": config["block_size"]}
+
+
+def test_one_dspark_layout_serves_deepspec_sglang_and_vllm(target, target_dir, tmp_path):
+    drafter = dspark(target)
+    native = save_drafter(drafter, tmp_path / "native", extra={"target": str(target_dir)})
+    prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
+    for fmt in ("sglang", "vllm", "deepspec"):
+        out = export_run(native, fmt, tmp_path / fmt)
+        config = json.loads((out / "config.json").read_text())
+        assert sglang_dspark_reads(config) == {"markov_rank": 8, "markov_head_type": "vanilla", "gamma": 5}
+        assert vllm_dspark_reads(config) == {"markov_rank": 8, "confidence": True, "with_markov": True,
+                                             "aux_layer_ids": [i + 1 for i in drafter.config.target_layer_ids],
+                                             "block_size": 5}
+        assert DEEPSPEC_TOP.items() <= config.items()
+        assert_same_drafts(f"dspark:{native}", f"dspark:{out}", target, prompt)
+    # SpecForge's training layout is what SGLang and vLLM refuse, as the issue found.
+    specforge = json.loads((export_run(native, "specforge", tmp_path / "sf") / "config.json").read_text())
+    with pytest.raises(AssertionError, match="Qwen3DSparkModel"):
+        sglang_dspark_reads(specforge)
+    with pytest.raises(AssertionError, match="markov_rank > 0"):
+        sglang_dspark_reads({**specforge, "architectures": ["Qwen3DSparkModel"]})
+    with pytest.raises(AssertionError, match="DeepSeek-V4"):
+        vllm_dspark_reads(specforge)
+
+
+def test_tied_target_exports_two_tensors(tmp_path):
+    """Qwen3-0.6B to 4B tie the embedding and head: the DeepSpec copies are two tensors."""
+    from transformers import AutoModelForCausalLM
+
+    config = build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=64, num_heads=4,
+                               num_kv_heads=2).config
+    config.tie_word_embeddings = True
+    torch.manual_seed(1)
+    tied = freeze(AutoModelForCausalLM.from_config(config))
+    assert tied.get_input_embeddings().weight.data_ptr() == tied.get_output_embeddings().weight.data_ptr()
+    tied.save_pretrained(tmp_path / "tied")
+    native = save_drafter(dspark(tied), tmp_path / "native", extra={"target": str(tmp_path / "tied")})
+    out = export_run(native, "deepspec", tmp_path / "out")
+    stored = load_file(str(out / "model.safetensors"))
+    assert torch.equal(stored["lm_head.weight"], stored["embed_tokens.weight"])
+    assert torch.equal(stored["lm_head.weight"], tied.lm_head.weight)
+
+
+def test_exports_are_in_the_target_dtype_unless_told(target, tmp_path):
+    bf16 = tmp_path / "bf16-target"
+    build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=64, num_heads=4,
+                      num_kv_heads=2).to(torch.bfloat16).save_pretrained(bf16)
+    for method, drafter, fmt in (("eagle3", eagle3(target), "sglang"), ("dflash", dflash(target), "zlab"),
+                                 ("dspark", dspark(target), "vllm"), ("dspark", dspark(target), "specforge")):
+        native = save_drafter(drafter, tmp_path / f"{method}-{fmt}", extra={"target": str(bf16)})
+        for dtype, expected in ((None, torch.bfloat16), ("float32", torch.float32)):
+            out = export_run(native, fmt, tmp_path / f"{method}-{fmt}-{dtype}", dtype=dtype)
+            config = json.loads((out / "config.json").read_text())
+            assert config["torch_dtype"] == str(expected).removeprefix("torch.")
+            stored = load_file(str(out / "model.safetensors"))
+            assert {t.dtype for t in stored.values() if t.is_floating_point()} == {expected}
+    one_line_error(lambda: export_run(native, "native", tmp_path / "n", dtype="bfloat16"), "native format")
+
+
+def test_export_prints_the_commands_that_serve_it(target, target_dir, tmp_path, capsys):
+    """The flags derive from the run: D = 128 // G - 1 for this target (G = 2: 63), DSpark's
+    block B (5): SGLang verifies B + 1 tokens, vLLM drafts B; DFlash's block of 6 gives 5 drafts."""
+    cases = {"eagle3": (eagle3(target), "vllm"), "dflash": (dflash(target), "zlab"), "dspark": (dspark(target), "sglang")}
+    printed = {}
+    for method, (drafter, fmt) in cases.items():
+        native = save_drafter(drafter, tmp_path / method, extra={"target": str(target_dir)})
+        capsys.readouterr()
+        assert main(["export", str(native), "--format", fmt, "--out", str(tmp_path / f"{method}-out")]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        printed[method] = [line.strip() for line in lines if "sglang.launch_server" in line or "vllm serve" in line]
+        for line in printed[method]:
+            assert str(target_dir) in line and str(tmp_path / f"{method}-out") in line and "--dtype float32" in line
+    sglang, vllm = printed["eagle3"]
+    assert "--speculative-algorithm EAGLE3" in sglang
+    assert "--speculative-num-steps 63 --speculative-eagle-topk 1 --speculative-num-draft-tokens 64" in sglang
+    assert '"method": "eagle3"' in vllm and '"num_speculative_tokens": 63' in vllm
+    sglang, vllm = printed["dflash"]
+    assert "--speculative-algorithm DFLASH" in sglang and "--speculative-num-draft-tokens 6" in sglang
+    assert '"method": "dflash"' in vllm and '"num_speculative_tokens": 5' in vllm
+    sglang, vllm = printed["dspark"]
+    assert "--speculative-algorithm DSPARK" in sglang and "--speculative-num-draft-tokens 6" in sglang
+    assert '"method": "dspark"' in vllm and '"num_speculative_tokens": 5' in vllm

@@ -1,11 +1,14 @@
 """Faults a long run meets and bad input, each ending in one line (exit status 2) that names
 the file, key or flag, and nothing of the user's lost or left half-written."""
 
+import errno
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
+from draftsmith.registry import trainable
 from draftsmith.train import loop
 from draftsmith.train.loop import latest_checkpoint, train
 from tiny_runs import ROOT, overrides, tiny_recipe
@@ -152,7 +157,7 @@ def resume_args(run, *extra, **values):
 
 def test_a_damaged_latest_checkpoint_is_named_and_an_earlier_one_resumes(run, tmp_path, capsys):
     work = copy_run(run, tmp_path)
-    latest, earlier = work / "checkpoints" / "step-0000006", work / "checkpoints" / "step-0000003"
+    latest, earlier = work / "checkpoints" / "checkpoint_6", work / "checkpoints" / "checkpoint_3"
     assert latest_checkpoint(work) == latest
     (latest / "optimizer.bin").unlink()
     line = one_line_error(capsys, main(resume_args(work, train__resume="true")))
@@ -164,21 +169,26 @@ def test_a_damaged_latest_checkpoint_is_named_and_an_earlier_one_resumes(run, tm
     assert "is not a checkpoint" in line
 
     # What an interrupted save and an interrupted append leave; the next run cleans or drops it.
-    (work / "checkpoints" / ".tmp-step-0000005").mkdir()
+    (work / "checkpoints" / "checkpoint_5").mkdir()  # a save cut short: no step.json
     stale = work / f".model.tmp-{dead_pid()}-abc"
     stale.mkdir()
     with (work / "metrics.jsonl").open("a") as f:
         f.write('{"step": 6, "train/lo')
     assert main(resume_args(work, train__resume=str(earlier))) == 0
-    assert not (work / "checkpoints" / ".tmp-step-0000005").exists() and not stale.exists()
+    assert not (work / "checkpoints" / "checkpoint_5").exists() and not stale.exists()
     assert_same_records(work, run)
+    # The damaged step 6 of the abandoned trajectory was set aside, not rotated against the
+    # resumed run's own checkpoints; the latest is now the resumed run's whole step 6.
+    assert "abandoned trajectory are kept in" in capsys.readouterr().err
+    assert (work / "abandoned" / "checkpoint_6" / "model.safetensors").stat().st_size < weights.stat().st_size
+    assert loop.check_checkpoint(latest_checkpoint(work)) == 6
 
 
 def test_a_resume_with_another_model_shape_fails_and_keeps_the_runs_recipe(run, tmp_path, capsys):
     work = copy_run(run, tmp_path)
     recipe = (work / "recipe.yaml").read_text()
     line = one_line_error(capsys, main(resume_args(work, "target.hidden_size=32", train__resume="true")))
-    assert "cannot resume from" in line and "step-0000006" in line
+    assert "cannot resume from" in line and "checkpoint_6" in line
     assert (work / "recipe.yaml").read_text() == recipe
 
 
@@ -201,7 +211,7 @@ def test_a_resumed_run_logs_the_same_windows(run, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(tiny_recipe("mtp", broken, **STRAIGHT))
     monkeypatch.setattr(MTPTraining, "loss", real_loss)
-    assert latest_checkpoint(broken).name == "step-0000003"
+    assert latest_checkpoint(broken).name == "checkpoint_3"
     train(tiny_recipe("mtp", broken, **STRAIGHT, train__resume=True))
     assert_same_records(broken, run)
 
@@ -210,21 +220,21 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkey
     """torch.save reports a full disk as a RuntimeError, after writing part of the file."""
     real = loop.save_checkpoint
 
-    def full_disk(accelerator, out_dir, step, keep, window=None):
+    def full_disk(accelerator, out_dir, step, window=None):
         if step == 4:
             def save_state(path):
                 os.makedirs(path, exist_ok=True)
                 (Path(path) / "model.safetensors").write_bytes(b"\0" * 10)
                 raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos; file write failed")
             accelerator.save_state = save_state
-        return real(accelerator, out_dir, step, keep, window)
+        return real(accelerator, out_dir, step, window)
 
     monkeypatch.setattr(loop, "save_checkpoint", full_disk)
     out = tmp_path / "run"
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
         out, train__max_steps=4, train__save_every=2, train__eval_every=100)]))
-    assert "file write failed" in line and "step-0000002 is intact" in line
-    assert sorted(os.listdir(out / "checkpoints")) == ["step-0000002"]
+    assert "file write failed" in line and "checkpoint_2 is intact" in line
+    assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_2"]
 
 
 # ---------------------------------------------------------------- recipes
@@ -247,13 +257,12 @@ def test_an_empty_recipe_file_is_refused(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("method, extra", [
-    ("mtp", {"target__max_position_embeddings": 32, "train__seq_len": 64}),
-    ("eagle3", {"train__seq_len": 4096}),  # refused before its data is regenerated
-])
-def test_rows_beyond_the_targets_positions_are_refused(run, tmp_path, capsys, method, extra):
-    if method != "mtp":
-        extra = {**extra, "target__path": str(run)}
+@pytest.mark.parametrize("method", trainable())
+def test_rows_beyond_the_targets_positions_are_refused(run, tmp_path, capsys, method):
+    if method == "mtp":  # it builds the target it trains
+        extra = {"target__max_position_embeddings": 32, "train__seq_len": 64}
+    else:  # refused before any data is regenerated
+        extra = {"train__seq_len": 4096, "target__path": str(run)}
     out = tmp_path / "run"
     line = one_line_error(capsys, main(["train", recipe_path(method), *overrides(out, **extra)]))
     assert "train.seq_len" in line and "is beyond the" in line and not out.exists()
@@ -278,7 +287,7 @@ def broken_targets(run, tmp_path_factory):
     return made
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft_lm", "eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("method", trainable())
 def test_training_against_a_broken_target_is_one_line(broken_targets, tmp_path, capsys, method):
     for name, folder in broken_targets.items():
         out = tmp_path / name
@@ -330,3 +339,380 @@ def test_regenerate_refuses_prompts_beyond_the_context_and_leaves_no_partial(run
     answers_only.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hi"}]}) + "\n")
     assert "no user turn" in one_line_error(capsys, main(regen + ["--dataset", str(answers_only)]))
     assert sorted(os.listdir(tmp_path)) == ["answers.jsonl", "long.jsonl"]
+
+
+# ---------------------------------------------------------------- caches whole or absent
+
+def tiny_rows(n=6, t=4):
+    return {k: torch.ones(n, t, dtype=torch.long) for k in ("input_ids", "loss_mask", "attention_mask")}
+
+
+def doubled(batch):
+    return {"hidden": batch["input_ids"].float() * 2}
+
+
+@pytest.mark.parametrize("flags, flag", [(["--shard-rows", "-1"], "--shard-rows"), (["--batch-size", "0"], "--batch-size")])
+def test_cache_sizes_are_refused_before_anything_is_written(run, tmp_path, capsys, flags, flag):
+    out = tmp_path / "cache"
+    line = one_line_error(capsys, main(["data", "cache-hidden", "--target", str(run), "--method", "eagle3",
+                                        "--out", str(out), *flags]))
+    assert flag in line and not out.exists()
+
+
+def test_a_cache_without_shards_is_never_complete(tmp_path):
+    from draftsmith.data.feature_cache import FeatureCache, write_feature_cache
+
+    out = tmp_path / "cache"
+    with pytest.raises(DraftsmithError, match="no rows"):
+        write_feature_cache(out, {"target": {}}, tiny_rows(n=0), doubled)
+    assert not out.exists()
+    write_feature_cache(out, {"target": {}}, tiny_rows(), doubled, shard_rows=4)
+    FeatureCache(out)
+    # What the old writer left for --shard-rows -1: a manifest marked complete that plans no shards.
+    manifest = json.loads((out / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        (out / shard["file"]).unlink()
+    (out / "manifest.json").write_text(json.dumps({**manifest, "shards": [], "complete": True}))
+    with pytest.raises(DraftsmithError, match="incomplete"):
+        FeatureCache(out)
+    write_feature_cache(out, {"target": {}}, tiny_rows(), doubled, shard_rows=4)  # a rerun plans the shards anew
+    cache = FeatureCache(out)
+    assert len(cache.manifest["shards"]) == 2 and torch.equal(cache.rows(0, 6)[5]["hidden"], torch.full((4,), 2.0))
+
+
+# ---------------------------------------------------------------- one rule for numbers
+
+@pytest.mark.parametrize("recipe, override, key", [
+    ("mtp", "train.lr=inf", "train.lr"), ("mtp", "train.lr=nan", "train.lr"), ("mtp", "train.clip=nan", "train.clip"),
+    ("mtp", "data.regen_temperature=.nan", "data.regen_temperature"), ("mtp", "method.lambda_early=-inf", "method.lambda_early"),
+    ("dflash", "method.gamma=nan", "method.gamma"),  # a float-or-None field: NaN is not "None"
+    ("mtp", "train.seed=-1", "train.seed"), ("mtp", f"train.seed={2**70}", "train.seed"),
+])
+def test_non_finite_floats_and_seeds_out_of_range_are_refused(tmp_path, capsys, recipe, override, key):
+    out = tmp_path / "run"
+    line = one_line_error(capsys, main(["train", recipe_path(recipe), *overrides(out), override]))
+    assert key in line and ("finite" in line or "2**32" in line) and not out.exists()
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--temperature", "nan"], "--temperature"), (["--temperature", "0", "--temperature", "inf"], "--temperature"),
+    (["--top-p", "nan"], "--top-p"), (["--confidence-threshold", "nan"], "--confidence-threshold"),
+    (["--seed", "-1"], "--seed"),
+])
+def test_non_finite_flags_are_refused(run, tmp_path, capsys, flags, flag):
+    line = one_line_error(capsys, main(eval_args(run, tmp_path / "r", *flags)))
+    assert flag in line and not (tmp_path / "r").exists()
+    regen = ["data", "regenerate", "--target", str(run), "--out", str(tmp_path / "o.jsonl")]
+    if flag in ("--temperature", "--top-p", "--seed"):
+        assert flag in one_line_error(capsys, main(regen + flags[-2:]))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    from draftsmith.train.mtp import MTPTraining
+
+    real_loss = MTPTraining.loss
+
+    def nan_from_step_3(self, model, batch, step):
+        loss, metrics = real_loss(self, model, batch, step)
+        return (loss * float("nan") if step >= 2 else loss), metrics
+
+    monkeypatch.setattr(MTPTraining, "loss", nan_from_step_3)
+    out = tmp_path / "run"
+    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(out, **{**STRAIGHT, "train__save_every": 2})]))
+    kept = latest_checkpoint(out)
+    assert "step 3: the training loss is nan" in line and f"{kept} is kept" in line
+    assert os.listdir(out / "checkpoints") == [kept.name] and loop.check_checkpoint(kept) == 2
+    assert not (out / "model").exists()
+    assert max(r["step"] for r in rows(out)) == 2
+
+
+def test_derived_figures_show_a_nan_loss():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+
+    class Method:
+        def loss(self, model, batch, step):
+            return torch.tensor(float("nan")), {"loss_main": float("nan")}
+
+    val = loop.evaluate(Method(), torch.nn.Linear(1, 1), [{"x": 1}], 1, 0, accelerator)
+    assert math.isnan(val["val/ppl"]) and math.isnan(val["val/loss"])
+
+
+# ---------------------------------------------------------------- run folders belong to one run
+
+def test_a_fresh_run_into_another_runs_folder_is_refused_unless_resumed_or_overwritten(run, tmp_path, capsys):
+    work = copy_run(run, tmp_path)
+    before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+    owner = json.loads((work / "run.json").read_text())["run_id"]
+    line = one_line_error(capsys, main(resume_args(work)))
+    assert f"holds another run (run {owner}" in line and "train.overwrite=true" in line
+    assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before  # nothing touched
+    assert "ask for one of them" in one_line_error(capsys, main(resume_args(work, "train.overwrite=true",
+                                                                           train__resume=True)))
+    assert main(resume_args(work, "train.overwrite=true", train__max_steps=3)) == 0
+    assert "removing the run in" in capsys.readouterr().err
+    assert [loop.check_checkpoint(p) for p in (work / "checkpoints").iterdir()] == [3]  # the old run's are gone
+    assert max(r["step"] for r in rows(work)) == 3
+    assert json.loads((work / "run.json").read_text())["replaces"] == owner
+
+
+def test_a_second_process_on_a_run_folder_is_refused(tmp_path, capsys):
+    """A real second process holds the folder's lock; a run into the folder refuses, naming it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom draftsmith.fsutil import folder_lock\n"
+         f"with folder_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(out, **STRAIGHT)]))
+        assert f"is in use by process {holder.pid}" in line
+        assert sorted(os.listdir(out)) == [".lock"]  # the holder's lock, and nothing of ours
+    finally:
+        holder.kill()
+        holder.wait()
+    # Killed with its lock file left behind: the next run takes the stale lock over and says so.
+    assert (out / ".lock").read_text().strip() == str(holder.pid)
+    assert main(["train", recipe_path("mtp"), *overrides(out, **{**STRAIGHT, "train__max_steps": 1})]) == 0
+    assert f"taking over the lock of process {holder.pid}" in capsys.readouterr().err
+    assert not (out / ".lock").exists() and (out / "model").is_dir()
+
+
+def test_two_runs_at_once_into_one_folder(tmp_path):
+    """Two real training processes: the second refuses in one line while the first runs on."""
+    import signal
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "draftsmith.cli", "train", recipe_path("mtp"),
+           *overrides(out, **{**STRAIGHT, "train__max_steps": 100_000, "train__save_every": 100_000})]
+    first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        while not (out / "metrics.jsonl").is_file():  # under way: its lock is held
+            assert first.poll() is None, first.stderr.read()[-2000:]
+            time.sleep(0.05)
+        second = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        assert first.poll() is None  # still running: the refusal was the lock's, not a finished run's
+        assert second.returncode == 2 and f"is in use by process {first.pid}" in second.stderr
+        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait()
+    assert not (out / ".lock").exists()  # released on the way out
+
+
+# ---------------------------------------------------------------- outputs never replace inputs
+
+def test_regenerate_out_equal_to_an_input_or_a_folder_is_refused_up_front(run, tmp_path, capsys, monkeypatch):
+    import draftsmith.data.regenerate as regenerate_module
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generation started before --out was checked")
+
+    monkeypatch.setattr(regenerate_module, "load_pretrained_tokenizer", no_generation, raising=False)
+    data = tmp_path / "human.jsonl"
+    human = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "mine"}]})
+    data.write_text(human + "\n")
+    regen = ["data", "regenerate", "--target", str(run), "--dataset", str(data)]
+    line = one_line_error(capsys, main(regen + ["--out", str(data)]))
+    assert "--out" in line and "is the --dataset being read" in line
+    (tmp_path / "link.jsonl").hardlink_to(data)  # the same file under another name
+    assert "is the --dataset" in one_line_error(capsys, main(regen + ["--out", str(tmp_path / "link.jsonl")]))
+    folder = tmp_path / "answers"
+    folder.mkdir()
+    assert "is a folder" in one_line_error(capsys, main(regen + ["--out", str(folder)]))
+    assert data.read_text() == human + "\n" and sorted(os.listdir(tmp_path)) == ["answers", "human.jsonl", "link.jsonl"]
+    model_files = sorted(os.listdir(run / "model"))
+    line = one_line_error(capsys, main(["data", "cache-hidden", "--target", str(run), "--method", "eagle3",
+                                        "--out", str(run / "model")]))
+    assert "is the --target being read" in line and sorted(os.listdir(run / "model")) == model_files
+
+
+# ---------------------------------------------------------------- files as open() would write them
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_written_files_follow_the_umask(run, tmp_path, umask, file_mode, dir_mode):
+    from safetensors.torch import save_file
+
+    from draftsmith.fsutil import atomic_dir, write_json
+
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "a.json", {"x": 1})
+        with atomic_dir(tmp_path / "folder") as tmp:
+            (tmp / "inside.txt").write_text("x")
+        write_json(tmp_path / "a.json", {"x": 2})  # a replacement keeps the rule too
+        with atomic_dir(tmp_path / "export") as tmp:  # as the exports and save_drafter write
+            save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))
+            write_json(tmp / "config.json", {})
+    finally:
+        os.umask(old)
+    exported = [tmp_path / "export", *(tmp_path / "export").rglob("*")]
+    assert {p.stat().st_mode & 0o777 for p in exported} == {file_mode, dir_mode}  # safetensors' too
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == file_mode
+    assert (tmp_path / "folder").stat().st_mode & 0o777 == dir_mode
+    assert (tmp_path / "folder" / "inside.txt").stat().st_mode & 0o777 == file_mode
+
+
+def test_a_models_files_follow_the_umask(run):
+    """The run fixture wrote its model and checkpoints under pytest's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [run / "model", *(run / "model").iterdir(), run / "metrics.jsonl", run / "recipe.yaml",
+                 run / "run.json", latest_checkpoint(run) / "step.json"]:
+        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~mask, path
+
+
+# ---------------------------------------------------------------- a full disk, in every command
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def torch_short_write(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 576 vs 484")
+
+
+def test_a_full_disk_in_eval_keeps_the_previous_report(run, tmp_path, capsys, monkeypatch):
+    import draftsmith.eval.report as report_module
+
+    out = tmp_path / "r"
+    assert main(eval_args(run, out)) == 0
+    before = (out / "report.json").read_text()
+    monkeypatch.setattr(report_module, "write_json", enospc)
+    line = one_line_error(capsys, main(eval_args(run, out)))
+    assert f"cannot write {out}: the disk is full (No space left on device); the previous {out} is intact" in line
+    assert (out / "report.json").read_text() == before and sorted(os.listdir(tmp_path)) == ["r"]
+
+
+def test_a_full_disk_when_saving_the_model_is_one_line(tmp_path, capsys, monkeypatch):
+    from transformers import PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", torch_short_write)
+    out = tmp_path / "run"
+    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(out, **STRAIGHT)]))
+    assert f"cannot write {out / 'model'}: the disk is full (" in line and "unexpected pos" in line
+    assert f"{out / 'model'} was not written" in line
+    assert not (out / "model").exists() and loop.check_checkpoint(latest_checkpoint(out)) == 6
+
+
+def test_a_full_disk_in_regeneration_keeps_the_answers_written(run, tmp_path, capsys, monkeypatch):
+    import draftsmith.data.regenerate as regenerate_module
+
+    real_fsync, calls = os.fsync, []
+
+    def fsync_then_full(fd):
+        calls.append(fd)
+        if len(calls) > 1:
+            enospc()
+        real_fsync(fd)
+
+    monkeypatch.setattr(regenerate_module.os, "fsync", fsync_then_full)
+    out = tmp_path / "o.jsonl"
+    regen = ["data", "regenerate", "--target", str(run), "--out", str(out), "--limit", "2", "--batch-size", "1",
+             "--max-new-tokens", "2"]
+    line = one_line_error(capsys, main(regen))
+    assert "the disk is full" in line and "rerun the same command to resume" in line
+    partial = next(tmp_path.glob(".o.jsonl.*.partial"))
+    assert len(partial.read_text().splitlines()) >= 1 and not out.exists()
+    monkeypatch.setattr(regenerate_module.os, "fsync", real_fsync)
+    assert main(regen) == 0 and len(out.read_text().splitlines()) == 2
+
+
+def test_a_full_disk_in_export_and_in_the_feature_cache_is_one_line(tmp_path, monkeypatch):
+    from draftsmith.data import feature_cache
+    from draftsmith.data.feature_cache import FeatureCache, write_feature_cache
+    from draftsmith.errors import DiskFull
+    from draftsmith.fsutil import atomic_dir
+
+    with pytest.raises(DiskFull, match=r"cannot write .*export: the disk is full .*export was not written"):
+        with atomic_dir(tmp_path / "export") as tmp:  # as every export writes
+            torch.save({"w": torch.zeros(2)}, tmp / "w.pt")
+            torch_short_write()
+    assert sorted(os.listdir(tmp_path)) == []
+    out = tmp_path / "cache"
+    real_save = feature_cache.save
+    monkeypatch.setattr(feature_cache, "save", lambda tensors: real_save(tensors) if "input_ids" in tensors
+                        else enospc())
+    with pytest.raises(DiskFull, match=r"shard-00000.safetensors: the disk is full .* was not written"):
+        write_feature_cache(out, {"target": {}}, tiny_rows(), doubled, shard_rows=4)
+    monkeypatch.setattr(feature_cache, "save", real_save)
+    with pytest.raises(DraftsmithError, match="incomplete"):
+        FeatureCache(out)
+    write_feature_cache(out, {"target": {}}, tiny_rows(), doubled, shard_rows=4)
+    FeatureCache(out)
+
+
+# ---------------------------------------------------------------- bad input, one line each
+
+def test_a_recipe_with_a_key_twice_or_not_utf8_is_refused(tmp_path, capsys):
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  lr: 0.01\neval:\n  num_prompts: 2\ntrain:\n  max_steps: 3\n")
+    line = one_line_error(capsys, main(["train", str(twice), f"train.output_dir={tmp_path / 'r'}"]))
+    assert str(twice) in line and "(line 5)" in line and "'train' is given twice" in line
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("train:\n  output_dir: caf\xe9\n".encode("latin-1"))
+    assert "is not UTF-8" in one_line_error(capsys, main(["recipe", "show", str(latin1)]))
+    assert sorted(os.listdir(tmp_path)) == ["latin1.yaml", "twice.yaml"]
+
+
+@pytest.mark.parametrize("heads, message", [
+    ('"8"', "'8'"), ("8.0", "8.0"), ("[8]", "[8]"), ("-8", "-8"), ("0", "no num_attention_heads"),
+])
+def test_plan_refuses_head_counts_that_are_no_positive_whole_number(tmp_path, capsys, heads, message):
+    (tmp_path / "config.json").write_text(f'{{"num_attention_heads": {heads}, "num_key_value_heads": 1}}')
+    line = one_line_error(capsys, main(["plan", str(tmp_path)]))
+    assert message in line and "G =" not in line
+
+
+@pytest.mark.parametrize("config, message", [
+    ([1, 2], "expected a JSON object at the top level, got list"),
+    ({"architectures": 5}, "'architectures' must be a list of class names, got 5"),
+    ({"format": "draftsmith", "method": ["eagle3"], "config": {}}, "'method' must be a method's name"),
+    ({"format": "draftsmith", "method": "eagle3", "config": [1]}, "'config' must be a mapping"),
+])
+def test_drafter_configs_of_the_wrong_shape_are_one_line(run, tmp_path, capsys, config, message):
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text(json.dumps(config))
+    line = one_line_error(capsys, main(eval_args(run, tmp_path / "r") + ["--drafter", f"eagle3:{drafter}"]))
+    assert message in line and str(drafter) in line
+
+
+def test_a_tokenizer_larger_than_the_targets_vocabulary_is_one_line(run, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    target = tmp_path / "target"
+    shutil.copytree(run / "model", target)
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    tokenizer.add_tokens([f"<extra{i}>" for i in range(40)])
+    tokenizer.save_pretrained(str(target))
+    line = one_line_error(capsys, main(eval_args(target, tmp_path / "r")))
+    assert f"has {len(tokenizer)} tokens, more than the 384 of target {target}" in line
+    line = one_line_error(capsys, main(["data", "regenerate", "--target", str(target), "--out",
+                                        str(tmp_path / "o.jsonl"), "--limit", "1"]))
+    assert "more than the 384" in line and sorted(os.listdir(tmp_path)) == ["target"]
+
+
+def test_mtp_heads_against_a_target_of_another_family_are_one_line(run, tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = tmp_path / "gpt2"
+    config = GPT2Config(vocab_size=384, n_embd=32, n_layer=1, n_head=2, n_positions=256, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(gpt2)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(run / "model" / name, gpt2)
+    capsys.readouterr()
+    line = one_line_error(capsys, main(["eval", "--target", str(gpt2), "--drafter", f"mtp:{run}", "--out",
+                                        str(tmp_path / "r"), "--num-prompts", "1", "--max-new-tokens", "2",
+                                        "--prompt-chars", "40", "--num-draft", "2"]))
+    assert "MTP modules of a llama target, not of the gpt2 target given" in line
+
+
+def test_a_full_disk_anywhere_else_is_one_line(tmp_path, capsys, monkeypatch):
+    """Appending a metrics line is no atomic write: the command still ends in one line."""
+    monkeypatch.setattr(loop, "_log", enospc)
+    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(tmp_path / "run", **STRAIGHT)]))
+    assert "the disk is full (No space left on device)" in line and "are intact" in line

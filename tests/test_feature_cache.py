@@ -12,21 +12,30 @@ from safetensors.torch import load_file, save_file
 
 import draftsmith.train.posthoc as posthoc_module
 from draftsmith.cli import main
+from draftsmith.data.feature_cache import _human
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_cache import _human
+from draftsmith.registry import posthoc
 from draftsmith.train.loop import train
 from draftsmith.train.posthoc import PostHocMethod
-from tiny_runs import ROOT, overrides, tiny_recipe
+from tiny_runs import ROOT, for_method, overrides, tiny_recipe
 
 # A bf16 target, as at scale: its features are bf16 already, so the cache holds them exactly
-# and a cached run logs what the online run logs (bit for bit here; the tolerance below only
-# allows for CPU kernels that round a row differently in another batch).
+# and a cached run logs what the online run logs (up to the rounding the tolerance below allows
+# for: CPU kernels round a row differently in another batch or at another width).
 POSTHOC = dict(data__num_conversations=24, data__prompt_chars=120, data__regen_max_new_tokens=32,
                train__seq_len=80, train__max_steps=4, train__eval_every=2, train__save_every=100,
                target__dtype="bfloat16")
 METHOD = {"eagle3": dict(method__draft_vocab_size=128, method__ttt_length=2),
           "dflash": dict(method__num_anchors=8, method__block_size=4),
           "dspark": dict(method__num_anchors=8, method__block_size=4, method__markov_rank=8)}
+# What each method's cache holds (rows 80, target width 64 per layer, vocabulary 384; EAGLE-3's draft vocabulary 128).
+TENSORS = {"eagle3": lambda hidden: {"hidden": [80, hidden], "logits": [80, 128], "target_top": [80]},
+           "dflash": lambda hidden: {"hidden": [80, hidden]},
+           "dspark": lambda hidden: {"hidden": [80, hidden], "logits": [80, 384]}}
+
+
+def settings(name):
+    return for_method(METHOD, name, "METHOD in tests/test_feature_cache.py")
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +47,13 @@ def target(tmp_path_factory):
 
 
 def recipe(name, run, target, **extra):
-    return tiny_recipe(name, run, target__path=str(target), **POSTHOC, **METHOD[name], **extra)
+    return tiny_recipe(name, run, target__path=str(target), **POSTHOC, **settings(name), **extra)
 
 
 def cache_hidden(name, run, target, out, *flags) -> int:
     """The CLI, given the recipe that `run` trains with."""
     return main(["data", "cache-hidden", "--recipe", str(ROOT / "recipes" / "tiny" / f"{name}.yaml"),
-                 "--target", str(target), "--method", name, *overrides(run, **POSTHOC, **METHOD[name]),
+                 "--target", str(target), "--method", name, *overrides(run, **POSTHOC, **settings(name)),
                  "--out", str(out), *flags])
 
 
@@ -53,7 +62,7 @@ def metrics(run):
     return [{k: v for k, v in row.items() if k != "train/tokens_per_s"} for row in rows]
 
 
-@pytest.mark.parametrize("name", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("name", posthoc())
 def test_training_from_the_cache_is_training_online(name, target, tmp_path, monkeypatch, capsys):
     online, cache = tmp_path / "online", tmp_path / "cache"
     assert cache_hidden(name, online, target, cache, "--shard-rows", "8") == 0
@@ -62,8 +71,7 @@ def test_training_from_the_cache_is_training_online(name, target, tmp_path, monk
     # Only what the loss reads: EAGLE-3 its 3 layers and draft-vocabulary logits, DFlash its
     # context layers, DSpark those and the full logits.
     hidden = 64 * len(manifest["layer_ids"])
-    want = {"eagle3": {"hidden": [80, hidden], "logits": [80, 128], "target_top": [80]},
-            "dflash": {"hidden": [80, hidden]}, "dspark": {"hidden": [80, hidden], "logits": [80, 384]}}[name]
+    want = for_method(TENSORS, name, "TENSORS in tests/test_feature_cache.py")(hidden)
     assert {k: v["shape"] for k, v in manifest["tensors"].items()} == want
     # The size printed up front is what lands on disk, give or take the shard headers.
     size = manifest["num_rows"] * sum(math.prod(v["shape"]) * getattr(torch, v["dtype"]).itemsize
@@ -79,8 +87,13 @@ def test_training_from_the_cache_is_training_online(name, target, tmp_path, monk
     train(recipe(name, cached, target, data__feature_cache=str(cache)))
     logged = metrics(online)
     assert len(logged) == 6 and "val/loss" in logged[-1]
+    # Not bit for bit: the online run's target forward covers each batch cut to its longest row
+    # (data/batching.py), the cache's covered rows padded to train.seq_len, and in bf16 a few
+    # features round differently at another width (measured: DSpark's val/tv 7e-5 relative
+    # after two steps; EAGLE-3 and DFlash within 1e-6). 1e-3 is the golden curves' tolerance,
+    # below what a 1% change of a loss weight moves (tests/test_golden.py).
     for got, want in zip(metrics(cached), logged, strict=True):
-        assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-6)
 
 
 def test_an_interrupted_cache_resumes_where_it_stopped(target, tmp_path, monkeypatch):

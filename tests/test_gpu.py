@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.proposers.dflash import DFlashProposer, DSparkProposer
+from draftsmith.eval.proposers.dflash import DFlashProposer
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
+from draftsmith.eval.proposers.dspark import DSparkProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.proposers.oracle import OracleProposer

@@ -1,11 +1,12 @@
-"""MTP modules: a hand-written reference computation, and the DeepSeek-style save/load."""
+"""MTP modules: a hand-written reference computation, the hidden state the engines feed them,
+and the DeepSeek-style save/load."""
 
 import math
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.models.mtp import MTP_DIR, MTPDrafter, deepseek_names, mtp_dir, mtp_forward
+from draftsmith.models.mtp import MTP_DIR, MTPDrafter, deepseek_names, engine_hidden, final_norm, mtp_dir, mtp_forward
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
 
@@ -25,13 +26,14 @@ def rope(x, positions, theta):
 
 
 def reference_depth1(layer, target, ids, h0):
-    """Depth 1 written out by hand from docs/design.md section 7 (one sequence)."""
+    """Depth 1 written out by hand from docs/design.md section 7 (one sequence); h0 is the
+    last layer's output, which the engines pass through the target's final norm first."""
     cfg = target.config
     eps, H = cfg.rms_norm_eps, cfg.hidden_size
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = H // heads
     emb = target.get_input_embeddings().weight[ids[1:]]  # t_{i+1}
-    prev = h0[:-1]
+    prev = rms(h0[:-1], target.model.norm.weight, eps)
     x = torch.cat([rms(emb, layer.enorm.weight, eps), rms(prev, layer.hnorm.weight, eps)], -1)
     x = x @ layer.eh_proj.weight.T
     b = layer.block
@@ -63,6 +65,7 @@ def test_depth1_matches_hand_written_reference():
     target = build_tiny_target(vocab_size=97, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
     heads = MTPDrafter.for_target(target, 2)
     _randomise(heads)  # norms start at 1: perturb them so the test sees every weight
+    _randomise(target.model.norm)  # and the target's final norm, which h^0 passes through
     ids = torch.randint(0, 97, (1, 12))
     h0 = target_forward(target, ids, capture=[1]).hidden[1]
     ours = mtp_forward(heads, target, ids, h0)[0][0]
@@ -115,3 +118,43 @@ def test_eager_attention_trains_the_same_causal_modules():
         # Depth k at position i reads t_{i+k}: the last token only at its last position, T - 1 - k.
         torch.testing.assert_close(a[:, :-1], b[:, :-1], atol=1e-6, rtol=1e-6)
         assert not torch.allclose(a[:, -1], b[:, -1])
+
+
+def test_modules_read_the_state_the_engines_pass():
+    """vLLM's DeepSeekMTP (vllm/model_executor/models/deepseek_mtp.py @ 4f7c14402630) hands
+    module k `previous_hidden_states`, and SGLang's NextN (deepseek_nextn.py @ c28bdc9012d2)
+    `spec_info.hidden_states`: both the target model's output, and `DeepseekV2Model.forward`
+    ends in `self.norm`. That is transformers' last `hidden_states` entry, the input of the
+    head; h^0 here is the same tensor, not the last layer's pre-norm output."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    for target in (build_tiny_target(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4),
+                   DeepseekV3ForCausalLM(config).eval()):
+        with torch.no_grad():
+            for p in target.parameters():  # MoE experts are built uninitialised
+                p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+            _randomise(final_norm(target))
+        ids = torch.randint(0, 64, (1, 9))
+        last = target.config.num_hidden_layers - 1
+        layer_out = target_forward(target, ids, capture=[last]).hidden[last]
+        with torch.no_grad():
+            fed = target(ids, output_hidden_states=True).hidden_states[-1]
+            torch.testing.assert_close(engine_hidden(target, layer_out), fed)
+            assert not torch.allclose(layer_out, fed, atol=1e-3)
+
+
+def test_mtp_loss_trains_the_final_norm():
+    """The MTP loss reads the post-norm state, so its gradient reaches the final norm."""
+    target = build_tiny_target(vocab_size=61, num_layers=2, hidden_size=32, num_heads=4)
+    heads = MTPDrafter.for_target(target, 2)
+    ids = torch.randint(0, 61, (2, 10))
+    h = target_forward(target, ids, capture=[1]).hidden[1]
+    sum(lg.sum() for lg in mtp_forward(heads, target, ids, h)).backward()
+    grad = final_norm(target).weight.grad
+    assert grad is not None and grad.abs().sum() > 0

@@ -9,6 +9,7 @@ import yaml
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.recipe import dump_recipe, load_recipe, recipe_from_dict
+from draftsmith.registry import config_class
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if "accelerate" not in p.parts)
@@ -64,6 +65,7 @@ def test_yaml_sets_only_what_differs_and_overrides_win(tmp_path):
     ("method.name=medusa", "method.name: unknown method 'medusa'"),
     ("train=3", "train: expected a mapping"),
     ("nokey", "expected key.sub=value"),
+    ("train.keep_checkpoints=1", "train.keep_checkpoints: 1 would leave no whole checkpoint"),
 ])
 def test_bad_keys_and_types_name_the_full_path(override, message):
     with pytest.raises(DraftsmithError) as err:
@@ -113,7 +115,7 @@ def test_real_size_recipes_build_their_drafter_config_for_the_real_target(path):
     (layer ids within depth, block within the tile rule, draft vocab within the vocab)."""
     recipe = load_recipe(path)
     config = _real_target(path.parent.name)
-    drafter_config = recipe.method.config_class().from_target(config, **recipe.method.params)
+    drafter_config = config_class(recipe.method.name).from_target(config, **recipe.method.params)
     if recipe.method.name in ("dflash", "dspark"):
         drafter_config.check_tile(config, recipe.target.tile)
         expected_block = {"dflash": {"qwen3_8b": 16, "llama31_8b": 10}, "dspark": {"qwen3_8b": 7}}
@@ -122,3 +124,27 @@ def test_real_size_recipes_build_their_drafter_config_for_the_real_target(path):
     else:
         assert drafter_config.draft_vocab_size == 32000
         assert drafter_config.target_layer_ids == [1, config.num_hidden_layers // 2 - 1, config.num_hidden_layers - 4]
+
+
+# Global batch (batch_size x grad_accum x the 8 processes of recipes/accelerate/zero2.yaml) and
+# epochs each real recipe takes from its reference (the comments in the recipe cite the file).
+REFERENCE_SIZE = {"qwen3_8b/dflash.yaml": (32, 6), "llama31_8b/dflash.yaml": (32, 6),
+                  "qwen3_8b/dspark.yaml": (512, 10), "qwen3_8b/eagle3.yaml": (8, 10),
+                  "llama31_8b/eagle3.yaml": (8, 10)}
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.relative_to(ROOT / "recipes").as_posix())
+def test_real_recipes_are_sized_as_their_references_on_the_node_they_name(path):
+    recipe, name = load_recipe(path), path.relative_to(ROOT / "recipes").as_posix()
+    launch = path.read_text().splitlines()[0]
+    config = launch.split("--accelerate-config ")[1].split()[0]
+    processes = yaml.safe_load((ROOT / "recipes" / "accelerate" / f"{config}.yaml").read_text())["num_processes"]
+    t = recipe.train
+    assert (t.batch_size * t.grad_accum * processes, t.num_epochs) == REFERENCE_SIZE[name]
+    assert t.max_steps == 0 and t.seq_len <= _real_target(path.parent.name).max_position_embeddings
+
+
+def test_max_position_embeddings_is_refused_beside_a_target_path():
+    with pytest.raises(DraftsmithError, match="target.max_position_embeddings=4096 sizes only the tiny target"):
+        load_recipe(REAL[0], ["target.max_position_embeddings=4096"])
+    assert load_recipe(None, ["target.max_position_embeddings=4096"]).target.max_position_embeddings == 4096

@@ -141,8 +141,9 @@ def test_sampled_regeneration_is_reproducible_from_its_seed(target, tokenizer, t
     greedy = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "g.jsonl", max_new_tokens=12,
                              temperature=0.0, batch_size=2))
     assert sampled == greedy
-    for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)):
-        with pytest.raises(DraftsmithError, match="top_p .* must be in \\(0, 1\\] and top_k"):
+    for bad, message in ((dict(top_p=0.0), "top_p must be in \\(0, 1\\]"), (dict(top_p=1.5), "top_p must be in"),
+                         (dict(top_k=-1), "top_k must be >= 0")):
+        with pytest.raises(DraftsmithError, match=message):
             regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", **{**settings, **bad})
 
 
@@ -155,3 +156,94 @@ def test_post_hoc_recipes_regenerate_sampled_and_key_the_cache_on_it():
     for key, value in (("regen_top_p", 0.9), ("regen_top_k", 50), ("regen_temperature", 0.0)):
         changed = recipe_from_dict({"method": {"name": "eagle3"}, "data": {key: value}})
         assert rows_settings(changed) != rows_settings(base), key
+
+
+# ---------------------------------------------------------------- chat templates and thinking
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory):
+    """A tiny target folder that chats as Qwen3 does (its template, tokens and end of turn)."""
+    from chat_fixtures import save_tiny_chat_target
+
+    folder = tmp_path_factory.mktemp("qwen3-target")
+    model, tokenizer = save_tiny_chat_target("qwen3", folder)
+    return folder, model, tokenizer
+
+
+def test_qwen3_is_answered_without_thinking_unless_asked(qwen3_target, tmp_path):
+    folder, model, tokenizer = qwen3_target
+    asked = [[{"role": "user", "content": "What is two plus two?"}],
+             [{"role": "user", "content": "Squared?"}, {"role": "assistant", "content": "old"},
+              {"role": "user", "content": "And cubed?"}]]
+    stops = stop_token_ids(model.generation_config, tokenizer, template_kwargs={"enable_thinking": False})
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
+
+    def reply(history, thinking):
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True, enable_thinking=thinking)["input_ids"]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        end = next((k for k, t in enumerate(out) if t in stops), len(out))
+        return tokenizer.decode(out[:end], skip_special_tokens=True)
+
+    for thinking, name in ((None, "default"), (True, "on")):
+        records = read(regenerate(model, tokenizer, asked, tmp_path / f"{name}.jsonl", max_new_tokens=NEW_TOKENS,
+                                  enable_thinking=thinking))
+        for record in records:  # every turn answered to the prompt the switch renders
+            for k, message in enumerate(record):
+                if message["role"] == "assistant":
+                    assert message["content"] == reply(record[:k], bool(thinking))
+
+
+def test_server_requests_carry_the_thinking_switch(qwen3_target, tmp_path):
+    """vLLM and SGLang read `chat_template_kwargs`: a loopback stand-in records every request."""
+    import http.server
+    import threading
+
+    folder, _, tokenizer = qwen3_target
+    bodies = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send({"object": "list", "data": [{"id": str(folder), "object": "model"}]})
+
+        def do_POST(self):
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self._send({"choices": [{"index": 0, "message": {"role": "assistant", "content": "Four."},
+                                     "finish_reason": "stop"}]})
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dataset = tmp_path / "asked.jsonl"
+        dataset.write_text('{"turns": ["Two plus two?", "Squared?"]}\n')
+        out = regenerate_command(str(folder), str(dataset), str(tmp_path / "out.jsonl"), max_new_tokens=4,
+                                 servers=[f"http://127.0.0.1:{server.server_address[1]}/v1"], in_flight=1)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [m["content"] for m in read(out)[0] if m["role"] == "assistant"] == ["Four.", "Four."]
+    chats = [b for b in bodies if "messages" in b]
+    assert chats and all(b["chat_template_kwargs"] == {"enable_thinking": False} for b in chats)
+
+
+def test_thinking_switch_on_a_template_without_one_writes_nothing(tmp_path):
+    from chat_fixtures import save_tiny_chat_target
+
+    save_tiny_chat_target("llama31", tmp_path / "llama")
+    dataset = tmp_path / "asked.jsonl"
+    dataset.write_text('{"prompt": "Hi"}\n')
+    with pytest.raises(DraftsmithError, match="data.enable_thinking=false: the chat template has no enable_thinking"):
+        regenerate_command(str(tmp_path / "llama"), str(dataset), str(tmp_path / "out.jsonl"), enable_thinking=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["asked.jsonl", "llama"]

@@ -14,7 +14,7 @@ def drafter(name, num_draft, tau, t_draft, t_verify, speedup, extra=None):
     accept = [round(0.9 ** (k + 1), 4) for k in range(num_draft)]
     hist = [5 * (i + 1) for i in range(num_draft + 1)]
     entry = {
-        "name": name, "spec": f"runs/{name}", "num_draft": num_draft, "tau": tau,
+        "name": name, "drafter": f"runs/{name}", "num_draft": num_draft, "tau": tau,
         "verify_passes": sum(hist), "committed_tokens": round(tau * sum(hist)),
         "per_position_acceptance": accept, "accepted_length_hist": hist,
         "tokens_per_s": 40.0 * speedup, "speedup": speedup,

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -12,9 +13,11 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.mtp import mtp_dir
 from draftsmith.models.native import load_drafter
+from draftsmith.recipe import load_recipe
 from draftsmith.train import loop
+from draftsmith.train.checkpoints import checkpoint_folders
 from draftsmith.train.loop import latest_checkpoint, train
-from tiny_runs import ROOT, overrides, tiny_recipe
+from tiny_runs import ROOT, interrupted, overrides, tiny_recipe
 
 
 def history(run_dir):
@@ -64,21 +67,11 @@ def test_resume_reproduces_the_uninterrupted_trajectory(tmp_path, monkeypatch):
     broken = tmp_path / "broken"
     from draftsmith.train.mtp import MTPTraining
 
-    calls = {"n": 0}
-    real_loss = MTPTraining.loss
-
-    def dying_loss(self, model, batch, step):
-        calls["n"] += 1
-        if calls["n"] == 6:  # in step 5, after the checkpoint at step 3 and a logged step 4
-            raise KeyboardInterrupt
-        return real_loss(self, model, batch, step)
-
-    monkeypatch.setattr(MTPTraining, "loss", dying_loss)
-    with pytest.raises(KeyboardInterrupt):
-        train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100))
-    monkeypatch.setattr(MTPTraining, "loss", real_loss)
-    assert latest_checkpoint(broken).name == "step-0000003"
-    assert not list((broken / "checkpoints").glob(".tmp*"))
+    # Killed in step 6, after the checkpoint at step 3 and logged steps 4 and 5.
+    interrupted(monkeypatch, MTPTraining, 6,
+                lambda: train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100)))
+    assert latest_checkpoint(broken).name == "checkpoint_3"
+    assert all((p / "step.json").is_file() for p in checkpoint_folders(broken))  # no half-written one
     train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100, train__resume=True))
     resumed = train_losses(broken)
     assert [s for s, _ in resumed] == list(range(1, 9))
@@ -153,16 +146,16 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch
     run = tmp_path / "run"
     real = loop.save_checkpoint
 
-    def failing(accelerator, out_dir, step, keep, window=None):
+    def failing(accelerator, out_dir, step, window=None):
         if step == 8:
             accelerator.save_state = lambda path: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
-        return real(accelerator, out_dir, step, keep, window)
+        return real(accelerator, out_dir, step, window)
 
     monkeypatch.setattr(loop, "save_checkpoint", failing)
-    with pytest.raises(DraftsmithError, match="No space left on device.*step-0000004 is intact"):
+    with pytest.raises(DraftsmithError, match="No space left on device.*checkpoint_4 is intact"):
         train(tiny_recipe("mtp", run))
-    assert latest_checkpoint(run).name == "step-0000004"
-    assert not list((run / "checkpoints").glob(".tmp*"))
+    assert latest_checkpoint(run).name == "checkpoint_4"
+    assert [p.name for p in checkpoint_folders(run)] == ["checkpoint_4"]  # the failed one removed
     assert not (run / "model").exists()
 
 
@@ -178,3 +171,77 @@ def test_accelerate_launch_runs_the_module_entry(tmp_path):
                           "train.bogus=1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().endswith("train.bogus: unknown key (known: " +
                                                                bad.stderr.split("(known: ")[1].strip())
+
+
+def test_accelerate_rotates_the_checkpoints_keeping_the_newest(tmp_path):
+    for keep, kept in ((2, [6, 8]), (0, [2, 4, 6, 8])):  # 0: all of them
+        run = tmp_path / f"keep{keep}"
+        train(tiny_recipe("mtp", run, train__save_every=2, train__keep_checkpoints=keep, train__eval_every=100))
+        assert [p.name for p in checkpoint_folders(run)] == [f"checkpoint_{s}" for s in kept]
+        assert all((p / "step.json").is_file() for p in checkpoint_folders(run))
+
+
+def test_num_epochs_sets_the_length_from_the_data(tmp_path):
+    from transformers import AutoTokenizer
+
+    from draftsmith.train.data_setup import packed_corpus
+
+    run = tmp_path / "run"
+    # Given without max_steps (which the tiny recipe sets): the override names both, so max_steps=0 too.
+    recipe = tiny_recipe("mtp", run, train__max_steps=0, train__num_epochs=1.5, data__max_chars=6000,
+                         train__eval_every=100, train__save_every=100)
+    train(recipe)
+    per_epoch = len(packed_corpus(recipe, AutoTokenizer.from_pretrained(run / "model"), "train")) // 4
+    assert per_epoch >= 4
+    assert [s for s, _ in train_losses(run)] == list(range(1, math.ceil(1.5 * per_epoch) + 1))
+
+
+def test_the_run_length_is_max_steps_or_num_epochs(tmp_path):
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("method:\n  name: mtp\ntrain:\n  num_epochs: 2\n")
+    recipe = load_recipe(recipe_file)  # num_epochs without max_steps: by epochs
+    assert (recipe.train.max_steps, recipe.train.num_epochs) == (0, 2.0)
+    with pytest.raises(DraftsmithError, match="train.max_steps=8 and train.num_epochs=2.0 both set"):
+        tiny_recipe("mtp", tmp_path / "a", train__num_epochs=2)
+    with pytest.raises(DraftsmithError, match="train.max_steps and train.num_epochs are both 0"):
+        tiny_recipe("mtp", tmp_path / "a", train__max_steps=0)
+
+
+@pytest.mark.parametrize("schedule, warmup, factor", [
+    ("linear", 0.0, lambda s: 1 - s / 8),
+    ("cosine", 0.0, lambda s: 0.5 * (1 + math.cos(math.pi * s / 8))),
+    ("constant_with_warmup", 0.25, lambda s: min(1.0, s / 2)),
+])
+def test_schedules_by_name_are_transformers_own(tmp_path, schedule, warmup, factor):
+    """train/lr after step s is the rate of step s + 1: transformers' closed forms over 8 steps."""
+    run = tmp_path / schedule
+    train(tiny_recipe("mtp", run, train__lr_schedule=schedule, train__warmup_ratio=warmup, train__eval_every=100))
+    logged = [(r["step"], r["train/lr"]) for r in history(run) if "train/lr" in r]
+    assert logged == [(s, pytest.approx(3e-3 * factor(s), abs=1e-12)) for s in range(1, 9)]
+
+
+def test_an_unknown_schedule_is_one_line_before_any_data(tmp_path):
+    with pytest.raises(DraftsmithError, match="train.lr_schedule: expected one of cosine_with_min_lr, linear"):
+        train(tiny_recipe("mtp", tmp_path / "run", train__lr_schedule="cosine_annealing"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_verbosity_flags_set_what_a_run_says(tmp_path, capsys):
+    from draftsmith.cli import main
+
+    def run(name, *flags):
+        args = ["train", "--recipe", str(ROOT / "recipes/tiny/mtp.yaml"),
+                *overrides(tmp_path / name, train__max_steps=2, train__eval_every=1)]
+        assert main([*flags[:1], *args, *flags[1:]]) == 0
+        return capsys.readouterr().err
+
+    said = run("default")
+    assert "train mtp: 2 optimizer steps" in said and "step 1: loss" in said and "wrote" in said
+    quiet = run("quiet", "-q")
+    assert "step 1: loss" not in quiet and "wrote" not in quiet and "train mtp" not in quiet  # no bar either
+    run("verbose", "-v", "-v")  # after the subcommand too
+    import logging
+
+    assert logging.getLogger("draftsmith").level == logging.DEBUG
+    run("again")  # no flag: back to the default
+    assert logging.getLogger("draftsmith").level == logging.INFO

@@ -25,3 +25,30 @@ def overrides(out_dir, **extra) -> list[str]:
 
 def tiny_recipe(name: str, out_dir, **extra):
     return load_recipe(ROOT / "recipes" / "tiny" / f"{name}.yaml", overrides(out_dir, **extra))
+
+
+def for_method(table: dict, method: str, where: str):
+    """`table[method]`, for a per-method table a test keeps beside the registry: a registered
+    method the table lacks fails the test, naming the method and the table, never skipped."""
+    if method not in table:
+        raise AssertionError(f"method {method!r} is registered but {where} has no entry for it: add one")
+    return table[method]
+
+
+def interrupted(monkeypatch, training_class, call: int, start) -> None:
+    """Run `start()` with `training_class.loss` raising KeyboardInterrupt at its `call`-th
+    call (a run killed in the middle of a step); the real loss is back afterwards."""
+    import pytest
+
+    real, calls = training_class.loss, {"n": 0}
+
+    def dying_loss(self, model, batch, step):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise KeyboardInterrupt
+        return real(self, model, batch, step)
+
+    monkeypatch.setattr(training_class, "loss", dying_loss)
+    with pytest.raises(KeyboardInterrupt):
+        start()
+    monkeypatch.setattr(training_class, "loss", real)

@@ -7,14 +7,14 @@ an existing target uses that target's tokenizer, so drafts and target share ids.
 from __future__ import annotations
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.target import resolve_model_dir
+from draftsmith.models.target import find_model_dir
 from draftsmith.recipe import Recipe
 
 
 def load_tokenizer(recipe: Recipe):
     from draftsmith.data.tokenizer import load_pretrained_tokenizer
 
-    source = recipe.data.tokenizer or (resolve_model_dir(recipe.target.path) if recipe.target.path else "")
+    source = recipe.data.tokenizer or (find_model_dir(recipe.target.path) if recipe.target.path else "")
     if source:
         return load_pretrained_tokenizer(source, "data.tokenizer" if recipe.data.tokenizer else "target")
     from draftsmith.data.corpus import load_embedded_corpus

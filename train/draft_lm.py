@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.draft_lm import distill_kl
-from draftsmith.models.target import build_tiny_target, load_target, resolve_model_dir
+from draftsmith.models.target import build_tiny_target, find_model_dir, load_target
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.method import TrainMethod
 
@@ -25,7 +25,7 @@ class DraftLMTraining(TrainMethod):
         self.tokenizer = load_tokenizer(recipe)
         self.target = None
         if recipe.target.path and c.distill_weight > 0:
-            self.target = load_target(resolve_model_dir(recipe.target.path), device=device)
+            self.target = load_target(find_model_dir(recipe.target.path), device=device)
             if self.target.config.vocab_size != len(self.tokenizer):
                 raise DraftsmithError(
                     f"target {recipe.target.path} has vocab {self.target.config.vocab_size}, "

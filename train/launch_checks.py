@@ -39,12 +39,12 @@ def zero3_blocker(method_name: str) -> str:
     """Why a method cannot train under ZeRO-3, "" when it can. ZeRO-3 partitions every
     parameter of the prepared module and gathers it only inside that module's forward; a
     method declares `no_zero3 = "reason"` on its class when it reads parameters otherwise."""
-    from draftsmith.registry import METHODS, resolve
+    from draftsmith.registry import METHODS, import_ref
 
     spec = METHODS.get(method_name)
     if spec is None or not spec.training:
         return ""  # build_method reports the unknown name
-    return getattr(resolve(spec.training, f"method {method_name!r} training"), "no_zero3", "")
+    return getattr(import_ref(spec.training, f"method {method_name!r} training"), "no_zero3", "")
 
 
 def check_launch(method_name: str) -> None:
@@ -78,13 +78,39 @@ def check_launch(method_name: str) -> None:
                               f"GPU(s): set num_processes to at most {gpus} per machine")
 
 
-def process_group_kwargs() -> list:
-    """accelerate names no process-group backend for a DeepSpeed launch on a machine without
-    GPUs, and then runs every process as if alone; DeepSpeed's CPU accelerator names the
-    one to use (gloo, or oneCCL where its bindings are installed)."""
-    if not (_flag("ACCELERATE_USE_DEEPSPEED") and "LOCAL_RANK" in os.environ and not torch.cuda.is_available()):
-        return []
+def process_group_kwargs(timeout_minutes: float) -> list:
+    """How the processes' group is set up: a collective waits `timeout_minutes` (the recipe's
+    train.dist_timeout) for the others, where torch's default is 10 minutes for NCCL. And
+    accelerate names no backend for a DeepSpeed launch on a machine without GPUs, then runs
+    every process as if alone; DeepSpeed's CPU accelerator names the one to use (gloo, or
+    oneCCL where its bindings are installed)."""
+    from datetime import timedelta
+
     from accelerate.utils import InitProcessGroupKwargs
+
+    timeout = timedelta(minutes=timeout_minutes)
+    if not (_flag("ACCELERATE_USE_DEEPSPEED") and "LOCAL_RANK" in os.environ and not torch.cuda.is_available()):
+        return [InitProcessGroupKwargs(timeout=timeout)]  # the backend as accelerate picks it
     from deepspeed.accelerator import get_accelerator
 
-    return [InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name())]
+    return [InitProcessGroupKwargs(backend=get_accelerator().communication_backend_name(), timeout=timeout)]
+
+
+def fsdp_wrap_classes(model: torch.nn.Module) -> list[str]:
+    """The classes FSDP2 shards one by one in `model`: the ones its transformers parts name in
+    `_no_split_modules` (the decoder layers of a target that MTP pretrains, of a draft LM) and
+    the repeated blocks of our drafters (the entries of their ModuleLists). A config naming one
+    class (LlamaDecoderLayer) fits one family only, and accelerate refuses it for any other."""
+    names, present = set(), set()
+    for module in model.modules():
+        present.add(type(module).__name__)
+        names |= set(getattr(module, "_no_split_modules", None) or ())
+        if isinstance(module, torch.nn.ModuleList):
+            names |= {type(entry).__name__ for entry in module if any(True for _ in entry.parameters())}
+    return sorted(names & present)
+
+
+def set_fsdp_wrap_classes(model: torch.nn.Module) -> None:
+    """Where accelerate's TRANSFORMER_BASED_WRAP looks when the config names no class: the
+    prepared module's `_no_split_modules` (recipes/accelerate/fsdp2.yaml names none)."""
+    model._no_split_modules = fsdp_wrap_classes(model)

@@ -10,6 +10,7 @@ would have seen.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -19,13 +20,26 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from draftsmith.data.batching import LengthGroupedSampler, real_length, trim_padding
 from draftsmith.errors import DraftsmithError, first_lines
-from draftsmith.fsutil import atomic_file, ensure_writable_dir
+from draftsmith.fsutil import (
+    apply_user_modes,
+    atomic_file,
+    ensure_writable_dir,
+    full_disk_reason,
+    is_disk_full,
+)
+from draftsmith.logs import show_progress
 from draftsmith.recipe import Recipe, dump_recipe, validate
-from draftsmith.train.launch_checks import check_launch, process_group_kwargs
+from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_name, saved_checkpoints
+from draftsmith.train.launch_checks import check_launch, process_group_kwargs, set_fsdp_wrap_classes
 from draftsmith.train.method import build_method
+from draftsmith.train.run_folder import claim_run_folder, start_run
+from draftsmith.train.schedule import check_schedule, make_scheduler, total_steps
+from draftsmith.train.tracking import check_tracking, start_trackers
 
-CHECKPOINTS = "checkpoints"
+log = logging.getLogger(__name__)
+
 
 
 def mixed_precision(choice: str) -> str:
@@ -40,46 +54,38 @@ def make_accelerator(recipe: Recipe, out_dir: Path):
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
     report_to = recipe.tracking.report_to
-    if report_to not in ("wandb", "tensorboard", "none"):
-        raise DraftsmithError(f"tracking.report_to: expected wandb, tensorboard or none, got {report_to!r}")
-    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
-        os.environ.setdefault("WANDB_MODE", "offline")  # no key: keep the run local, sync later
     # DeepSpeed clips inside its engine (clip_grad_norm_ does nothing there) and fills its
     # "auto" gradient_clipping from this variable; unset, accelerate puts 1.0.
     os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(recipe.train.clip)
+    # accelerate keeps one state per process and refuses a second Accelerator of another
+    # precision; a launch trains once, but a second train() in one process (a notebook, the
+    # rehearsal tests) may ask for another. The process group (PartialState) is kept.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
     return Accelerator(
         mixed_precision=mixed_precision(recipe.train.mixed_precision),
         gradient_accumulation_steps=recipe.train.grad_accum,
         log_with=None if report_to == "none" else report_to,
-        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs")),
+        # accelerate names checkpoints (RUN/checkpoints/checkpoint_<step>: save_checkpoint sets the
+        # number) and deletes the oldest beyond total_limit before it writes a new one.
+        project_config=ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "logs"),
+                                            automatic_checkpoint_naming=True,
+                                            total_limit=recipe.train.keep_checkpoints or None),
         # The data order is a function of train.seed alone, whatever else drew random numbers.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=recipe.train.seed),
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=process_group_kwargs(),
+        kwargs_handlers=process_group_kwargs(recipe.train.dist_timeout),
     )
 
 
-def cosine_with_warmup(optimizer, recipe: Recipe):
-    t = recipe.train
-    warmup = max(0, round(t.warmup_ratio * t.max_steps))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, t.max_steps - warmup))
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def latest_checkpoint(out_dir: Path) -> Path | None:
-    folder = out_dir / CHECKPOINTS
-    done = sorted(p for p in folder.glob("step-*") if (p / "step.json").is_file()) if folder.is_dir() else []
+    done = saved_checkpoints(out_dir)
     return done[-1] if done else None
 
 
 def _other_checkpoints(path: Path) -> str:
-    others = [str(p) for p in sorted(path.parent.glob("step-*")) if p != path and (p / "step.json").is_file()]
+    others = [str(p) for p in saved_checkpoints(path.parent.parent) if p != path]
     if not others:
         return "no earlier checkpoint to resume from"
     return f"resume from an earlier one with train.resume=PATH ({', '.join(others)})"
@@ -90,7 +96,7 @@ def check_checkpoint(path: Path) -> int:
     meta_file = path / "step.json"
     if not meta_file.is_file():
         raise DraftsmithError(f"train.resume: {path} is not a checkpoint (no step.json; checkpoints are "
-                              f"RUN/{CHECKPOINTS}/step-NNNNNNN)")
+                              f"RUN/{CHECKPOINTS}/checkpoint_STEP)")
     try:
         meta = json.loads(meta_file.read_text())
         step = int(meta["step"])
@@ -106,45 +112,53 @@ def check_checkpoint(path: Path) -> int:
     return step
 
 
-def save_checkpoint(accelerator, out_dir: Path, step: int, keep: int, window: dict | None = None) -> None:
-    """save_state into a temporary folder, renamed into place once every rank is done.
+def save_checkpoint(accelerator, out_dir: Path, step: int, window: dict | None = None) -> None:
+    """accelerate's save_state into RUN/checkpoints/checkpoint_<step>, then step.json.
 
-    step.json, written last, lists every file with its size, so that a resume names a file
-    lost or cut short later. `window` (each rank's unlogged metric sums) lets a resumed run
-    log the same windows as an uninterrupted one. A write that fails (a full disk) removes
-    the temporary folder and stops the run; the previous checkpoint is left as it was."""
+    accelerate picks the folder from its save iteration, set here to the step, and first
+    deletes the oldest checkpoints beyond train.keep_checkpoints (its total_limit). step.json,
+    written last and atomically once every process has saved, lists every file with its size:
+    a folder without it is a save that did not finish, never resumed from, and a resume
+    names a file lost or cut short later. `window` (each rank's unlogged metric sums) lets a
+    resumed run log the same windows as an uninterrupted one. A write that fails (a full
+    disk) removes its folder and stops the run; the previous checkpoints are left as they were."""
     folder = out_dir / CHECKPOINTS
-    final = folder / f"step-{step:07d}"
-    tmp = folder / f".tmp-step-{step:07d}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        folder.mkdir(parents=True, exist_ok=True)
+    final = folder / checkpoint_name(step)
+    if accelerator.is_main_process and final.exists():  # this step of a later run abandoned by a resume
+        shutil.rmtree(final)
     accelerator.wait_for_everyone()
+    accelerator.project_configuration.iteration = step
     try:
-        accelerator.save_state(str(tmp))
-        (tmp / f"window-{accelerator.process_index}.json").write_text(json.dumps(window or {}))
+        # Under automatic naming accelerate derives this same folder itself; it is passed for clarity.
+        accelerator.save_state(str(final))
+        (final / f"window-{accelerator.process_index}.json").write_text(json.dumps(window or {}))
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-            with atomic_file(tmp / "step.json") as f:
+            apply_user_modes(final)  # safetensors leaves its files 0600, unreadable by a server of another user
+            files = {str(f.relative_to(final)): f.stat().st_size for f in sorted(final.rglob("*")) if f.is_file()}
+            with atomic_file(final / "step.json") as f:
                 json.dump({"step": step, "files": files}, f)
+            log.debug("saved %s", final)
     except Exception as exc:
         if accelerator.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-        # torch.save reports a full disk as a RuntimeError ("file write failed"), others as OSError.
-        if not isinstance(exc, OSError) and "writ" not in str(exc).lower():
+            shutil.rmtree(final, ignore_errors=True)
+        # torch.save reports a full disk as a RuntimeError ("unexpected pos", "file write failed").
+        if not isinstance(exc, OSError) and not is_disk_full(exc):
             raise
         previous = latest_checkpoint(out_dir)
-        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        reason = full_disk_reason(exc) if is_disk_full(exc) else exc.strerror or first_lines(exc, 1)
         raise DraftsmithError(f"cannot write the checkpoint of step {step} in {folder} ({reason}); "
                               + (f"the previous checkpoint {previous} is intact" if previous
                                  else "no earlier checkpoint exists")) from None
-    if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        for old in sorted(folder.glob("step-*"))[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def remove_unfinished_checkpoints(out_dir: Path) -> None:
+    """Main process, before a run starts: the folders of saves that did not finish (no
+    step.json). accelerate's rotation would count them, and they hold nothing to resume."""
+    for folder in checkpoint_folders(out_dir):
+        if not (folder / "step.json").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def evaluate(method, model, loader, max_batches: int, step: int, accelerator) -> dict[str, float]:
@@ -161,22 +175,64 @@ def evaluate(method, model, loader, max_batches: int, step: int, accelerator) ->
             count += 1
     model.train()
     means = {f"val/{k}": v / max(1, count) for k, v in sums.items()}
-    if "val/loss_main" in means:
-        means["val/ppl"] = math.exp(min(50.0, means["val/loss_main"]))
+    if "val/loss_main" in means:  # capped against overflow; min() would turn a NaN into exp(50)
+        loss_main = means["val/loss_main"]
+        means["val/ppl"] = loss_main if math.isnan(loss_main) else math.exp(min(50.0, loss_main))
     # One row of means per process (not per sample): plain gather, never gather_for_metrics.
     gathered = accelerator.gather(torch.tensor(list(means.values()), device=accelerator.device))
     gathered = gathered.view(-1, len(means)).mean(0).tolist() if means else []
     return dict(zip(means, gathered))
 
 
+def _weights_problem(model) -> str | None:
+    """What is wrong with the weights, if any is NaN or infinite (one device read)."""
+    # FSDP2 holds DTensors: each process checks its own shard (stop_if_not_finite gathers the verdict).
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+    flags = [p.isfinite().all() for p in local if p.numel()]
+    return None if not flags or bool(torch.stack(flags).all()) else "weights hold NaN or infinity"
+
+
+def stop_if_not_finite(accelerator, problem: str | None, step: int, out_dir: Path) -> None:
+    """End the run in one line at the first step whose loss, gradient or weights are not finite
+    (on any process), before that step is logged or saved: a NaN would otherwise train on
+    silently and be written as the model. The checkpoints already saved are kept as they are."""
+    bad = problem is not None
+    if accelerator.num_processes > 1:  # every process stops together, or the others would wait forever
+        bad = bool(accelerator.reduce(torch.tensor([float(bad)], device=accelerator.device), reduction="sum").item())
+    if not bad:
+        return
+    previous = latest_checkpoint(out_dir)
+    kept = (f"the last good checkpoint {previous} is kept (resume from it, e.g. with a lower train.lr)" if previous
+            else "no checkpoint had been saved")
+    problem = problem or "loss or weights of another process are not finite"
+    raise DraftsmithError(f"step {step}: the training {problem}; stopped, {kept}")
+
+
+def make_loaders(method, recipe: Recipe) -> tuple[DataLoader, DataLoader]:
+    """The training and evaluation loaders: each batch cut to its longest row (data/batching.py);
+    training rows shuffled, or grouped by length with data.group_by_length, from train.seed."""
+    t = recipe.train
+    if recipe.data.group_by_length:
+        lengths = real_length(method.train_tokens()["attention_mask"]).tolist()
+        order = {"sampler": LengthGroupedSampler(lengths, t.batch_size, t.seed)}
+    else:  # accelerate swaps in its seedable sampler (DataLoaderConfiguration in make_accelerator)
+        order = {"shuffle": True, "generator": torch.Generator().manual_seed(t.seed)}
+    train_loader = DataLoader(method.train_data, batch_size=t.batch_size, drop_last=True, collate_fn=trim_padding,
+                              **order)
+    eval_loader = DataLoader(method.eval_data, batch_size=t.batch_size, shuffle=False, collate_fn=trim_padding)
+    if len(train_loader) == 0:
+        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: fewer training rows than train.batch_size={t.batch_size}")
+    return train_loader, eval_loader
+
+
 def check_positions(recipe: Recipe) -> None:
     """Refuse rows longer than the target takes, before any data is prepared."""
     t = recipe.target
     if t.path:
-        from draftsmith.models.target import resolve_model_dir
+        from draftsmith.models.target import find_model_dir
         from draftsmith.models.tile import read_target_config
 
-        folder = resolve_model_dir(t.path)
+        folder = find_model_dir(t.path)
         if not isinstance(folder, Path):  # a hub name: the target's own load names what is wrong
             return
         positions, where = read_target_config(folder).get("max_position_embeddings"), f"target {t.path}"
@@ -206,16 +262,18 @@ def train(recipe: Recipe) -> Path:
     validate(recipe)
     fresh = not Path(recipe.train.output_dir).exists()
     try:
-        return _train(recipe)
+        with claim_run_folder(recipe) as run:  # the folder's lock, and refusal of another run's folder
+            return _train(recipe, run)
     except BaseException:
         if fresh:  # a run that failed before writing anything leaves no empty run folder
             _remove_empty(Path(recipe.train.output_dir))
         raise
 
 
-def _train(recipe: Recipe) -> Path:
+def _train(recipe: Recipe, run: dict) -> Path:
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     t = recipe.train
     out_dir = ensure_writable_dir(t.output_dir)
@@ -228,24 +286,36 @@ def _train(recipe: Recipe) -> Path:
     resume_step = check_checkpoint(resume_from) if resume_from is not None else 0
     check_positions(recipe)
     check_launch(recipe.method.name)
+    check_schedule(t.lr_schedule)
+    check_tracking(recipe.tracking.report_to, recipe.tracking.mode)
 
     accelerator = make_accelerator(recipe, out_dir)
     if accelerator.is_main_process:  # what an interrupted save left (one run per folder)
-        for stale in (out_dir / CHECKPOINTS).glob(".tmp-step-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_unfinished_checkpoints(out_dir)
     set_seed(t.seed)
     method = build_method(recipe, accelerator.device)
 
-    gen = torch.Generator().manual_seed(t.seed)
-    train_loader = DataLoader(method.train_data, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=gen)
-    eval_loader = DataLoader(method.eval_data, batch_size=t.batch_size, shuffle=False)
-    if len(train_loader) == 0:
-        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: fewer training rows than train.batch_size={t.batch_size}")
+    train_loader, eval_loader = make_loaders(method, recipe)
     params = [p for p in method.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay)
-    scheduler = cosine_with_warmup(optimizer, recipe)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        method.model, optimizer, train_loader, eval_loader, scheduler)
+    adamw = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay)
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:  # shard units from the model being trained
+        set_fsdp_wrap_classes(method.model)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(method.model, adamw, train_loader, eval_loader)
+    # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
+    # differ between one and several processes, and break `micro = step * grad_accum` on resume.
+    per_epoch = len(train_loader) - len(train_loader) % t.grad_accum
+    if per_epoch == 0:
+        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(train_loader)} batches per epoch, "
+                              f"fewer than train.grad_accum={t.grad_accum}")
+    # The length in steps is known once the prepared loader says how many batches a process reads.
+    max_steps = method.total_steps = total_steps(t.max_steps, t.num_epochs, per_epoch // t.grad_accum)
+    scheduler = accelerator.prepare(make_scheduler(adamw, t.lr_schedule, max_steps, t.warmup_ratio, t.min_lr_ratio))
+    if accelerator.is_main_process:
+        log.info("train %s: %d optimizer steps of %d rows (%d per epoch), %s schedule", recipe.method.name,
+                 max_steps, t.batch_size * t.grad_accum * accelerator.num_processes, per_epoch // t.grad_accum,
+                 t.lr_schedule)
 
     step = 0
     window: dict[str, float] = {}
@@ -260,27 +330,23 @@ def _train(recipe: Recipe) -> Path:
         if saved.is_file():
             w = json.loads(saved.read_text())
             window, window_n, tokens, elapsed = w.get("sums", {}), w.get("n", 0), w.get("tokens", 0), w.get("s", 0.0)
-        accelerator.print(f"resumed from {resume_from} at step {step}")
+        if accelerator.is_main_process:
+            log.info("resumed from %s at step %d", resume_from, step)
     history = out_dir / "metrics.jsonl"
     if accelerator.is_main_process:  # after a resume has loaded: a refused one leaves the run's recipe
+        start_run(out_dir, run, t.overwrite, resume_step if resume_from is not None else None)
         with atomic_file(out_dir / "recipe.yaml") as f:
             f.write(dump_recipe(recipe))
-        accelerator.init_trackers(recipe.tracking.project, config=_flat(recipe),
-                                  init_kwargs={"wandb": {"name": recipe.tracking.run_name or out_dir.name,
-                                                         "dir": str(out_dir)}})
+        start_trackers(accelerator, recipe.tracking, out_dir, _flat(recipe), dump_recipe(recipe),
+                       resume_step if resume_from is not None else None)
         _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
     micro = step * t.grad_accum
-    # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
-    # differ between one and several processes, and break `micro = step * grad_accum` on resume.
-    per_epoch = len(train_loader) - len(train_loader) % t.grad_accum
-    if per_epoch == 0:
-        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(train_loader)} batches per epoch, "
-                              f"fewer than train.grad_accum={t.grad_accum}")
-    bar = tqdm(total=t.max_steps, initial=step, desc=f"train {recipe.method.name}",
-               disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    bar = tqdm(total=max_steps, initial=step, desc=f"train {recipe.method.name}", dynamic_ncols=True,
+               disable=not accelerator.is_local_main_process or not show_progress())
     started = time.perf_counter() - elapsed
+    problem = None  # the first non-finite loss or gradient norm of the current optimizer step
     model.train()
-    while step < t.max_steps:
+    while step < max_steps:
         epoch, skip = divmod(micro, per_epoch)
         train_loader.set_epoch(epoch)
         loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
@@ -294,15 +360,20 @@ def _train(recipe: Recipe) -> Path:
                 optimizer.zero_grad(set_to_none=True)
             micro += 1
             tokens += method.tokens_in(batch) * accelerator.num_processes
-            for k, v in {"loss": loss.item(), **metrics}.items():
+            metrics = {"loss": loss.item(), **metrics}
+            for k, v in metrics.items():
                 window[k] = window.get(k, 0.0) + v
             window_n += 1
+            for name, what in (("loss", "loss"), ("grad_norm", "gradient norm")):
+                if not math.isfinite(metrics.get(name, 0.0)):
+                    problem = problem or f"{what} is {metrics[name]}"
             if not accelerator.sync_gradients:
                 continue
+            stop_if_not_finite(accelerator, problem, step + 1, out_dir)
             scheduler.step()
             step += 1
             bar.update(1)
-            if step % t.log_every == 0 or step == t.max_steps:
+            if step % t.log_every == 0 or step == max_steps:
                 elapsed = time.perf_counter() - started
                 # Each process saw its own shard of the global batch: log the mean over processes.
                 means = accelerator.reduce(torch.tensor([v / window_n for v in window.values()],
@@ -313,24 +384,25 @@ def _train(recipe: Recipe) -> Path:
                 _log(accelerator, history, step, logs)
                 bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{logs['train/tokens_per_s']:.0f}")
                 window, window_n, tokens, started = {}, 0, 0, time.perf_counter()
-            if step % t.eval_every == 0 or step == t.max_steps:
+            if step % t.eval_every == 0 or step == max_steps:
                 val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator)
                 _log(accelerator, history, step, val)
-                if val:
-                    bar.write(f"step {step}: " + ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
-                                                             if k in ("val/loss", "val/ppl", "val/tau_est")))
-            if step % t.save_every == 0 or step == t.max_steps:
-                save_checkpoint(accelerator, out_dir, step, t.keep_checkpoints,
-                                {"sums": window, "n": window_n, "tokens": tokens,
-                                 "s": time.perf_counter() - started})
-            if step >= t.max_steps or micro % per_epoch == 0:
+                if val and accelerator.is_main_process:
+                    with logging_redirect_tqdm([logging.getLogger("draftsmith")]):  # the CLI's handler
+                        log.info("step %d: %s", step, ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
+                                                                if k in ("val/loss", "val/ppl", "val/tau_est")))
+            if step % t.save_every == 0 or step == max_steps:
+                stop_if_not_finite(accelerator, _weights_problem(model), step, out_dir)
+                save_checkpoint(accelerator, out_dir, step, {"sums": window, "n": window_n, "tokens": tokens,
+                                                             "s": time.perf_counter() - started})
+            if step >= max_steps or micro % per_epoch == 0:
                 break
     bar.close()
     accelerator.wait_for_everyone()
     final = None
     if accelerator.is_main_process:
         final = method.save(accelerator.unwrap_model(model), out_dir)
-        accelerator.print(f"wrote {final}")
+        log.info("wrote %s", final)
     accelerator.end_training()
     return final or out_dir
 

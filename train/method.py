@@ -1,4 +1,5 @@
-"""What a training method supplies to the one loop, and the registry of methods.
+"""What a training method supplies to the one loop, and `build_method`, which finds a
+recipe's method in the registry (`draftsmith/registry.py`, the one place methods are listed).
 
 A method owns its trainable module, its datasets and its loss; the loop in `loop.py` owns
 everything else (devices, precision, accumulation, schedule, checkpoints, trackers).
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from draftsmith.recipe import Recipe
-from draftsmith.registry import method_spec, resolve
+from draftsmith.registry import import_ref, method_spec
 
 
 class TrainMethod:
@@ -24,10 +25,15 @@ class TrainMethod:
     model: nn.Module
     train_data: Any  # a map-style dataset of dicts of equal-shape tensors
     eval_data: Any
+    total_steps: int = 0  # the run's optimizer steps, set by the loop once the data is known (train.num_epochs)
 
     def __init__(self, recipe: Recipe, device: torch.device):
         self.recipe = recipe
         self.device = device
+
+    def train_tokens(self) -> dict[str, torch.Tensor]:
+        """The training rows' token columns [N, T] (`attention_mask` sizes data.group_by_length's groups)."""
+        return self.train_data[:]
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
@@ -43,4 +49,4 @@ class TrainMethod:
 def build_method(recipe: Recipe, device: torch.device) -> TrainMethod:
     name = recipe.method.name
     spec = method_spec(name, "training")
-    return resolve(spec.training, f"method {name!r} training")(recipe, device)
+    return import_ref(spec.training, f"method {name!r} training")(recipe, device)

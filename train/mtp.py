@@ -11,7 +11,7 @@ from torch import nn
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.mtp import MTP_DIR, MTPDrafter, mtp_forward, mtp_losses
 from draftsmith.models.native import save_drafter
-from draftsmith.models.target import build_tiny_target, load_target, resolve_model_dir, target_forward
+from draftsmith.models.target import build_tiny_target, find_model_dir, load_target, target_forward
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.method import TrainMethod
 
@@ -34,7 +34,7 @@ class TargetWithMTP(nn.Module):
 def build_target(recipe, tokenizer) -> nn.Module:
     t = recipe.target
     if t.path:
-        return load_target(resolve_model_dir(t.path), frozen=False)  # pretraining continues: not frozen
+        return load_target(find_model_dir(t.path), frozen=False)  # pretraining continues: not frozen
     return build_tiny_target(
         seed=recipe.train.seed, arch=t.arch, vocab_size=len(tokenizer), num_layers=t.num_layers,
         hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
@@ -58,7 +58,7 @@ class MTPTraining(TrainMethod):
 
     def mtp_weight(self, step: int) -> float:
         c = self.config
-        early = step < c.lambda_switch * self.recipe.train.max_steps
+        early = step < c.lambda_switch * self.total_steps
         return (c.lambda_early if early else c.lambda_late) / max(1, c.num_depths)
 
     def loss(self, model, batch, step):

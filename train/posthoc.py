@@ -18,16 +18,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file
-from draftsmith.models.feature_cache import (
+from draftsmith.data.feature_cache import (
     ROW_KEYS,
     FeatureCache,
+    check_sizes,
     load_target_ends,
     target_fingerprint,
     write_feature_cache,
 )
-from draftsmith.models.target import TargetOutput, load_target, resolve_model_dir, target_forward
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import atomic_file, check_not_an_input
+from draftsmith.models.target import TargetOutput, find_model_dir, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
 from draftsmith.train.method import TrainMethod, build_method
@@ -54,12 +55,13 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
         return _dataset_file(recipe), False
     # Answers depend only on the target and these settings, so every drafter trained
     # against the same target shares them: they are cached under a key of both.
-    target_dir = resolve_model_dir(recipe.target.path)
+    target_dir = find_model_dir(recipe.target.path)
     settings = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
     key = hashlib.sha256(settings.encode()).hexdigest()[:16]
     out = cache_dir() / "regenerated" / f"{key}.jsonl"
     conversations = lambda: (embedded_conversations(data.num_conversations, data.prompt_chars)  # noqa: E731
                              if embedded else _load_dataset(data))
+    template, template_kwargs = chat_settings(recipe, tokenizer)
     if data.regen_servers:
         from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
 
@@ -69,15 +71,31 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
                                         data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed)
                 regenerate_via_servers(data.regen_servers, (recipe.target.path, str(target_dir)), tokenizer,
                                        conversations(), out, sampling, plain=embedded,
-                                       limits=Limits(in_flight=data.regen_in_flight))
+                                       limits=Limits(in_flight=data.regen_in_flight), template_kwargs=template_kwargs)
         return out, embedded
     # Every process answers its share of the batches; the main one merges them (draftsmith/processes.py).
     # All test the file before any can write it: the merge waits for every process.
     if not out.is_file():
         regenerate(target, tokenizer, conversations(), out, max_new_tokens=data.regen_max_new_tokens,
                    temperature=data.regen_temperature, top_p=data.regen_top_p, top_k=data.regen_top_k,
-                   seed=recipe.train.seed, plain=embedded, processes=current_processes())
+                   seed=recipe.train.seed, plain=embedded, processes=current_processes(), chat_template=template,
+                   enable_thinking=template_kwargs.get("enable_thinking"))
     return out, embedded
+
+
+def chat_settings(recipe: Recipe, tokenizer) -> tuple[str | None, dict]:
+    """The chat template (text; None: plain text, the embedded default) and its arguments
+    (`enable_thinking`) that regeneration and training rows of this recipe render with."""
+    from draftsmith.data.chat import chat_format
+
+    data = recipe.data
+    return chat_format(tokenizer, data.chat_template, data.enable_thinking, plain=data.dataset == "embedded")
+
+
+def _chat_keys(data) -> dict:
+    """The chat settings where set (unset: keys of older caches hold)."""
+    given = {"data.chat_template": data.chat_template, "data.enable_thinking": data.enable_thinking}
+    return {k: v for k, v in given.items() if v not in ("", None)}
 
 
 def _dataset_settings(data) -> dict:
@@ -127,13 +145,25 @@ class LossForward(nn.Module):
         return self.drafter.loss(*args, **kwargs)
 
 
+def num_proc(processes: int) -> int | None:
+    """`datasets.map`'s num_proc for data.num_proc: None (this process) for 1."""
+    return processes if processes > 1 else None
+
+
 def training_rows(recipe: Recipe, target, tokenizer):
     """The rendered rows of a post-hoc run, split (train, eval), and where they came from:
     the one definition an online run and a feature cache of it share."""
+    from accelerate import PartialState
+
     from draftsmith.data.chat import tokenize_conversations
 
     source, plain = conversations_file(recipe, target, tokenizer)
-    rows = tokenize_conversations(source, tokenizer, recipe.train.seq_len, plain=plain)
+    template, template_kwargs = chat_settings(recipe, tokenizer)
+    # The main process tokenizes first, in data.num_proc processes; the others read what
+    # `datasets` cached of it (a file-backed source) instead of all tokenizing at once.
+    with PartialState().main_process_first():
+        rows = tokenize_conversations(source, tokenizer, recipe.train.seq_len, plain=plain, chat_template=template,
+                                      template_kwargs=template_kwargs, num_proc=num_proc(recipe.data.num_proc))
     n_eval = max(1, round(EVAL_FRACTION * len(rows)))
     if len(rows) < 2:
         raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(rows)} usable conversation(s); "
@@ -148,7 +178,8 @@ def answer_settings(recipe: Recipe) -> dict:
     return {"data.dataset": d.dataset, "data.num_conversations": d.num_conversations,
             "data.prompt_chars": d.prompt_chars, "data.regen_max_new_tokens": d.regen_max_new_tokens,
             "data.regen_temperature": d.regen_temperature, "data.regen_top_p": d.regen_top_p,
-            "data.regen_top_k": d.regen_top_k, "train.seed": recipe.train.seed, **_dataset_settings(d)}
+            "data.regen_top_k": d.regen_top_k, "train.seed": recipe.train.seed, **_dataset_settings(d),
+            **_chat_keys(d)}
 
 
 def rows_settings(recipe: Recipe) -> dict:
@@ -169,12 +200,21 @@ class PostHocMethod(TrainMethod):
 
     def __init__(self, recipe: Recipe, device: torch.device):
         super().__init__(recipe, device)
-        from draftsmith.data.tokenizer import load_pretrained_tokenizer
+        from draftsmith.data.tokenizer import check_fits, load_pretrained_tokenizer
+        from draftsmith.models.tile import read_target_config
 
         if not recipe.target.path:
             raise DraftsmithError(f"method {recipe.method.name} trains against a frozen target: set target.path=")
-        self.target_dir = resolve_model_dir(recipe.target.path)
+        self.target_dir = find_model_dir(recipe.target.path)
         self.tokenizer = load_pretrained_tokenizer(self.target_dir)
+        check_fits(self.tokenizer, read_target_config(self.target_dir).get("vocab_size"), self.target_dir,
+                   recipe.target.path)
+        # A bad template or thinking switch is one line before any data is written; the
+        # thinking mode decided (unset: off where the template has the switch) is what the
+        # run's recipe.yaml records.
+        _, template_kwargs = chat_settings(recipe, self.tokenizer)
+        if "enable_thinking" in template_kwargs:
+            recipe.data.enable_thinking = template_kwargs["enable_thinking"]
         self.cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
         if self.cache is not None:
             self.cache.expect_target(self.target_dir)
@@ -227,6 +267,9 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
                               "read target features")
     from draftsmith.processes import current_processes
 
+    check_sizes(batch_size, shard_rows)  # before the target is loaded or any data regenerated
+    check_not_an_input(out, {"--target": find_model_dir(recipe.target.path) if recipe.target.path else None,
+                             "--dataset": recipe.data.dataset}, folder=True)
     recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
     # Under `accelerate launch` every process computes its share of the shards on its own device.
     processes = current_processes()

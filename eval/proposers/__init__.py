@@ -2,9 +2,9 @@
 
 `base.py` holds the protocol the decoder speaks; each method's proposer lives in
 `<method>.py` beside it and exposes `load_proposer(path, target, **options)`. A drafter
-spec on the command line is `NAME[:PATH]`; the names, their options and whether they
+argument on the command line (`--drafter`) is `NAME[:PATH]`; the names, their options and whether they
 need a path all come from the method registry (`draftsmith/registry.py`). A proposer's
-module is imported only when a spec names it, so evaluating n-gram imports no model.
+module is imported only when an argument names it, so evaluating n-gram imports no model.
 """
 
 from __future__ import annotations
@@ -12,36 +12,39 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.target import check_capturable, resolve_model_dir
-from draftsmith.registry import proposer_names, resolve
+from draftsmith.models.target import check_capturable, find_model_dir
+from draftsmith.registry import import_ref, proposer_names
 
 
-def parse_spec(spec: str) -> tuple[str, Path | None]:
-    """`NAME[:PATH]` -> (name, the model folder PATH stands for, or None)."""
-    name, _, path = spec.partition(":")
+def parse_drafter_arg(arg: str) -> tuple[str, Path | None]:
+    """A `--drafter` argument, `NAME[:PATH]` -> (name, the model folder PATH stands for, or None). PATH may be a hub
+    name (`eagle3:ORG/NAME`, a published drafter), found through huggingface_hub's cache."""
+    name, _, path = arg.partition(":")
     names = proposer_names()
     if name not in names:
-        raise DraftsmithError(f"drafter {spec!r}: unknown name {name!r} (known: {', '.join(names)})")
+        raise DraftsmithError(f"drafter {arg!r}: unknown name {name!r} (known: {', '.join(names)})")
     needs_path = names[name][0].needs_path
     if needs_path and not path:
-        raise DraftsmithError(f"drafter {spec!r}: {name} needs a path, as {name}:RUN_OR_EXPORT")
+        raise DraftsmithError(f"drafter {arg!r}: {name} needs a path, as {name}:RUN_OR_EXPORT")
     if path and not needs_path:
-        raise DraftsmithError(f"drafter {spec!r}: {name} takes no path")
+        raise DraftsmithError(f"drafter {arg!r}: {name} takes no path")
     if not path:
         return name, None
-    if not Path(path).exists():
-        raise DraftsmithError(f"drafter {spec!r}: {path} not found")
-    return name, Path(resolve_model_dir(path))
+    folder = find_model_dir(path)  # a run, a model folder, or a hub name (ORG/NAME) through its cache
+    if not Path(folder).exists():
+        raise DraftsmithError(f"drafter {arg!r}: {path} not found (a local folder, or a hub name in the "
+                              "Hugging Face cache or downloadable)")
+    return name, Path(folder)
 
 
-def proposer_from_spec(spec: str, target, overrides: dict[str, dict] | None = None):
-    """The proposer a spec names, built for `target`; its `name` is the spec's name.
+def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None):
+    """The proposer a `--drafter` argument names, built for `target`; its `name` is the argument's NAME.
     `overrides`: method name -> proposer options set for this run (e.g. eval's
     --confidence-threshold for dspark); they win over a variant's own options."""
-    name, path = parse_spec(spec)
+    name, path = parse_drafter_arg(arg)
     method, options = proposer_names()[name]
     options = {**options, **(overrides or {}).get(method.name, {})}
-    proposer = resolve(method.proposer, f"drafter {spec!r}")(path, target, **options)
+    proposer = import_ref(method.proposer, f"drafter {arg!r}")(path, target, **options)
     proposer.name = name
-    check_capturable(target, proposer.capture_layers, f"drafter {spec!r}")
+    check_capturable(target, proposer.capture_layers, f"drafter {arg!r}")
     return proposer

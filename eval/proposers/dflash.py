@@ -1,4 +1,4 @@
-"""Decoder adapters for DFlash and DSpark: one drafter forward per step gives the draft.
+"""The decoder adapter for DFlash: one drafter forward per step gives the draft.
 
 The adapter keeps the drafter's context cache: the projected context K/V, per layer, of
 every committed position whose target hidden state is known, i.e. all committed tokens
@@ -7,10 +7,7 @@ its context starts at and appends the newly verified positions, so nothing of a 
 draft survives (the block's own K/V are never cached). A proposal runs the block
 [anchor, MASK ...] at positions len(cache).. over that cache.
 
-DSpark adds the serial refiner (left to right over the drafted tokens) and may end a draft
-before the first position whose own confidence is below a threshold (DeepSpec's rule;
-default 0, the full block); it counts those early stops and the verify rows they saved
-(`report_extra()`).
+DSpark's adapter (`dspark.py`) extends this one with its refiner and confidence stop.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import torch
 from draftsmith.eval.proposers.base import Draft, SamplingParams, TargetContext
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
-from draftsmith.models.dspark import DSparkDrafter, check_threshold
 
 
 class DFlashProposer:
@@ -63,61 +59,14 @@ class DFlashProposer:
         return Draft(tokens, None, probs)
 
 
-class DSparkProposer(DFlashProposer):
-    """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block
-    (`draftsmith eval --confidence-threshold` sets it per run).
-    `refiner=False` drafts with the backbone alone (an ablation; the result stays exact)."""
-
-    def __init__(self, drafter: DSparkDrafter, target, name: str = "dspark",
-                 confidence_threshold: float | None = None, refiner: bool = True):
-        super().__init__(drafter, target, name)
-        chosen = drafter.config.confidence_threshold if confidence_threshold is None else confidence_threshold
-        self.threshold = check_threshold(chosen, "dspark confidence threshold")
-        self.refiner = refiner
-        self.proposals = 0  # proposals that asked for at least one draft
-        self.early_stops = 0  # of those, ended early by the confidence head
-        self.rows_saved = 0  # verify rows those early stops did not spend
-
-    @torch.no_grad()
-    def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        if max_nodes <= 0:
-            return Draft.empty(self.device)
-        hidden, base = self.draft_block(max_nodes)
-        probs: list[torch.Tensor] = []
-
-        def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
-            token, q = draw(logits, sampling, generator)
-            if q is not None:
-                probs.append(q)
-            return token
-
-        tokens, _, _ = self.drafter.refine(hidden, base, self.last, pick, self.refiner, self.threshold)
-        self.proposals += 1
-        if tokens.shape[1] < hidden.shape[1]:
-            self.early_stops += 1
-            self.rows_saved += hidden.shape[1] - tokens.shape[1]
-        return Draft(tokens[0], None, torch.cat(probs) if probs else None)
-
-    def report_extra(self) -> dict:
-        return {
-            "confidence_threshold": self.threshold,
-            "proposals": self.proposals,
-            "early_stops": self.early_stops,
-            "early_stop_rate": self.early_stops / self.proposals if self.proposals else 0.0,
-            "verify_rows_saved": self.rows_saved,
-        }
-
-
-def load_proposer(path, target, method: str = "dflash", **options) -> DFlashProposer:
-    """The decode adapter of a DFlash or DSpark checkpoint in any layout we write (a
-    training run's native model/, a z-lab, SpecForge or DeepSpec folder, ours or trained
-    by those tools); `method` must be what the checkpoint holds."""
+def load_drafter_for(path, method: str, target):
+    """A DFlash-family checkpoint in any layout we write (a training run's native model/, a
+    z-lab, SpecForge or DeepSpec folder, ours or trained by those tools), on the target's
+    device; `method` must be what the checkpoint holds."""
     from draftsmith.models.export_dflash import load_any
 
-    drafter = load_any(path, method, target).to(next(target.parameters()).device)
-    adapter = DSparkProposer if method == "dspark" else DFlashProposer
-    return adapter(drafter, target, name=method, **options)
+    return load_any(path, method, target).to(next(target.parameters()).device)
 
 
-def load_dspark_proposer(path, target, **options) -> DSparkProposer:
-    return load_proposer(path, target, method="dspark", **options)
+def load_proposer(path, target, **options) -> DFlashProposer:
+    return DFlashProposer(load_drafter_for(path, "dflash", target), target, **options)

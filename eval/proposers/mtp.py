@@ -1,16 +1,25 @@
-"""MTP heads as a drafter: the serving engines' chain (default) or DeepSeek-V3's exact depths.
+"""MTP heads as a drafter: an EAGLE-style chain over the modules (default), module 1 alone as
+the engines serve it today, or DeepSeek-V3's exact depths.
 
-Depth m at position j reads h^{m-1}_j and token t_{j+m} and predicts t_{j+m+1}. With n
+Depth m at position j reads h^{m-1}_j and token t_{j+m} and predicts t_{j+m+1} (h^0: the
+target's state after its final norm, as the engines feed it; models/mtp.py). With n
 committed tokens (the last one, t_{n-1}, not yet seen by the target), draft 1 is depth 1's
 output at position n - 2, which reads only committed inputs: the target's h^0_{n-2} and
 t_{n-1}. Every depth keeps its own KV cache of *settled* positions j <= n - 1 - m (all
 inputs committed), computed once, on the commit that settles them, and kept from then on:
 the rows of accepted drafts stay; only rows that read drafts are cropped at each commit.
 
-mode "engine" (default; SGLang's and vLLM's MTP drafting, EAGLE's chain): one new row per
+mode "engine" (default; EAGLE's chain, one module per draft depth): one new row per
 draft. Draft m <= K is module m's row at position n - 2, fed the previous draft's output
 hidden state and token; past K, module K chains on itself, one position further each draft,
 its own output as the next input. O(D) rows a step (plus K rows per committed token).
+
+`modules` = 1 (`eval --drafter mtp_nextn:RUN`) is the engine mode over module 1 alone,
+chained for every draft: what the engines serve today. SGLang's NextN loads one module,
+and vLLM's EAGLE-style MTP proposer runs layer 0 at every step (it passes no
+`spec_step_idx`: "intentional since we do eagle-style drafting", vllm-project/vllm#36910;
+#52688 reports it for vLLM 0.22.1, the fix #53397 is open), so modules 2..K of a vLLM
+export are loaded but never run there.
 
 mode "exact": draft m is depth m's prediction at position n - 2 with every position
 before it computed too, so each depth attends to the same rows as in training: the m - 1
@@ -30,7 +39,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
-from draftsmith.models.mtp import MTPDrafter, causal_mask
+from draftsmith.models.mtp import MTPDrafter, causal_mask, engine_hidden
 from draftsmith.models.target import crop_cache, rotary_embedding
 
 
@@ -53,10 +62,14 @@ MODES = ("engine", "exact")
 
 
 class MTPProposer:
-    def __init__(self, heads: MTPDrafter, target, name: str = "mtp", mode: str = "engine"):
+    def __init__(self, heads: MTPDrafter, target, name: str = "mtp", mode: str = "engine", modules: int | None = None):
         if mode not in MODES:
             raise DraftsmithError(f"MTP drafting mode {mode!r} does not exist (modes: {', '.join(MODES)})")
+        if modules is not None and (mode != "engine" or not 1 <= modules <= heads.num_depths):
+            raise DraftsmithError(f"MTP modules={modules}: the engine mode chains modules 1..m of the "
+                                  f"{heads.num_depths} trained")
         self.name, self.mode = name, mode
+        self.chain = modules or heads.num_depths  # drafts past it chain the last of these modules
         self.rows = 0  # block rows run (drafting and settling), for the report
         self.prompt_rows = 0  # of those, the one-off rows that settle a new depth over the prompt
         self.proposals = 0
@@ -70,14 +83,15 @@ class MTPProposer:
         self.capture_layers = (target.config.num_hidden_layers - 1,)
         self.depths: list[_Depth] = []
         self.tokens = torch.empty(0, dtype=torch.long)
-        self.hidden: torch.Tensor | None = None  # h^0 of committed positions (all but the last)
+        self.hidden: torch.Tensor | None = None  # h^0 (after the final norm) of committed positions but the last
 
     def _layer(self, m: int):
         return self.heads.layers[min(m, self.heads.num_depths) - 1]
 
     def report_extra(self) -> dict:
         steps = (self.rows - self.prompt_rows) / self.proposals if self.proposals else 0.0
-        return {"mtp_mode": self.mode, "mtp_rows_per_step": steps, "mtp_prompt_rows": self.prompt_rows}
+        return {"mtp_mode": self.mode, "mtp_modules": self.chain if self.mode == "engine" else self.heads.num_depths,
+                "mtp_rows_per_step": steps, "mtp_prompt_rows": self.prompt_rows}
 
     def _run(self, depth: _Depth, start: int, prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Feed positions start .. start + len - 1 of this depth through its block."""
@@ -94,13 +108,13 @@ class MTPProposer:
     def begin(self, prompt_ids, ctx) -> None:
         self.depths = []
         self.tokens = prompt_ids.clone()
-        self.hidden = ctx.hidden[self.capture_layers[0]]
+        self.hidden = engine_hidden(self.target, ctx.hidden[self.capture_layers[0]])
 
     @torch.no_grad()
     def commit(self, accepted, ctx) -> None:
         self.tokens = torch.cat([self.tokens, accepted.to(self.tokens.device)])
         if len(ctx):
-            self.hidden = torch.cat([self.hidden, ctx.hidden[self.capture_layers[0]]])
+            self.hidden = torch.cat([self.hidden, engine_hidden(self.target, ctx.hidden[self.capture_layers[0]])])
         n = len(self.tokens)
         for m, depth in enumerate(self.depths, start=1):
             crop_cache(depth.cache, depth.settled)  # drop the rows that read drafts
@@ -139,8 +153,8 @@ class MTPProposer:
         drafts.append(token)
 
     def _engine(self, max_nodes: int, sampling: SamplingParams, generator) -> tuple[list, list]:
-        """One row per draft: module min(s, K) fed draft s - 1's output and token."""
-        n, K = len(self.tokens), self.heads.num_depths
+        """One row per draft: module min(s, K) fed draft s - 1's output and token (K: `chain`)."""
+        n, K = len(self.tokens), self.chain
         drafts, probs = [], []
         last = self._depth(1, n).outputs[n - 2]  # settled: the target's h^0_{n-2} and t_{n-1}
         self._draw(self.depths[0], last, sampling, generator, drafts, probs)

@@ -44,9 +44,9 @@ ROWS = "rows.safetensors"
 
 def local_model_dir(path: str | Path) -> Path:
     """The folder holding a model's files (a hub name resolves to its download)."""
-    from draftsmith.models.target import resolve_model_dir
+    from draftsmith.models.target import find_model_dir
 
-    local = resolve_model_dir(path)
+    local = find_model_dir(path)
     if isinstance(local, Path) and local.is_dir():
         return local
     from huggingface_hub import snapshot_download
@@ -162,6 +162,26 @@ def _identity(manifest: dict) -> dict:
     return same
 
 
+def check_sizes(batch_size: int, shard_rows: int) -> None:
+    """Refuse sizes a cache cannot be written with, before anything is computed or written
+    (a negative shard size planned no shards at all, and a cache of none was marked complete)."""
+    if batch_size < 1:
+        raise DraftsmithError(f"--batch-size: must be at least 1, got {batch_size}")
+    if shard_rows < 0:
+        raise DraftsmithError(f"--shard-rows: must be 0 (about {_human(SHARD_BYTES)} each) or more, got {shard_rows}")
+
+
+def _plan_covers(shards: list, n: int) -> bool:
+    """Whether a shard plan covers rows 0..n-1 exactly once, in order (and at least one row)."""
+    edge = 0
+    for shard in shards:
+        start, stop = shard["rows"]
+        if start != edge or stop <= start:
+            return False
+        edge = stop
+    return n > 0 and edge == n
+
+
 def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch.Tensor],
                         compute: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
                         batch_size: int = 8, shard_rows: int = 0, processes=None) -> Path:
@@ -176,8 +196,13 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
     """
     from tqdm.auto import tqdm
 
-    out = ensure_writable_dir(out)
+    from draftsmith.logs import show_progress
+
+    check_sizes(batch_size, shard_rows)
     n, seq_len = tokens["input_ids"].shape
+    if n == 0:
+        raise DraftsmithError(f"{out}: no rows to cache (the dataset gave no training rows)")
+    out = ensure_writable_dir(out)
     # One row through `compute` gives the exact per-row size and the tensors' layout.
     probe = _store(compute({k: v[:1] for k, v in tokens.items()}))
     layout = {k: {"shape": list(v.shape[1:]), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in probe.items()}
@@ -192,12 +217,14 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
             raise DraftsmithError(f"{out} holds a feature cache of other features or rows ({differs[0]} differs); "
                                   "delete it or choose another --out")
         manifest["shards"] = old["shards"]
-    else:
+    processes = processes or Processes()
+    if old is None or not _plan_covers(manifest["shards"], n):  # an old plan that misses rows is replanned
+        for shard in (old or {}).get("shards", []) if processes.main else []:
+            (out / shard["file"]).unlink(missing_ok=True)
         per = shard_rows or max(1, SHARD_BYTES // max(row_bytes, 1))
         manifest["shards"] = [{"file": f"shard-{i // per:05d}.safetensors", "rows": [i, min(i + per, n)]}
                               for i in range(0, n, per)]
     per_position = " + ".join(f"{v.numel() // seq_len} {k} x {v.element_size()} B" for k, v in probe.items())
-    processes = processes or Processes()
     if processes.main:
         print(f"feature cache: {n} rows x {seq_len} positions x ({per_position}) = {_human(n * row_bytes)} "
               f"in {len(manifest['shards'])} shard(s) -> {out}", flush=True)
@@ -210,7 +237,7 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
     total = sum(b - a for a, b in (s["rows"] for s in mine))
     done = total - sum(b - a for a, b in (s["rows"] for s in todo))
     with tqdm(total=total, initial=done, desc="cache features", unit="row", dynamic_ncols=True,
-              disable=not processes.main) as bar:
+              disable=not processes.main or not show_progress()) as bar:
         for shard in todo:
             start, stop = shard["rows"]
             tensors = {k: torch.empty(stop - start, *v.shape[1:], dtype=v.dtype) for k, v in probe.items()}
@@ -225,7 +252,7 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
     processes.barrier()
     if processes.main:
         missing = [s["file"] for s in manifest["shards"] if not (out / s["file"]).is_file()]
-        if missing:  # another process failed, or does not see this folder
+        if missing or not manifest["shards"]:  # another process failed, or does not see this folder
             raise DraftsmithError(f"{out}: {len(missing)} shard(s) missing after every process finished "
                                   f"({missing[0]} ...); rerun to resume")
         write_json(out / MANIFEST, {**manifest, "complete": True})
@@ -247,7 +274,7 @@ class FeatureCache:
         if m.get("format") != FORMAT:
             raise DraftsmithError(f"feature cache {self.path}: {MANIFEST} is not a {FORMAT} manifest")
         missing = [s["file"] for s in m["shards"] if not (self.path / s["file"]).is_file()]
-        if not m.get("complete") or missing:
+        if not m.get("complete") or missing or not _plan_covers(m["shards"], m.get("num_rows", 0)):
             raise DraftsmithError(f"feature cache {self.path} is incomplete ({len(missing)} of {len(m['shards'])} "
                                   "shards missing): rerun draftsmith data cache-hidden with the same arguments")
         self.tokens = load_file(str(self.path / m["rows_file"]))

@@ -1,0 +1,66 @@
+"""The decoder adapter for DSpark: DFlash's block (`dflash.py`), then the serial refiner.
+
+The refiner runs left to right over the drafted tokens, and the draft may end before the
+first position whose own confidence is below a threshold (DeepSpec's rule; default 0, the
+full block); the adapter counts those early stops and the verify rows they saved
+(`report_extra()`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.eval.proposers.base import Draft, SamplingParams
+from draftsmith.eval.proposers.dflash import DFlashProposer, load_drafter_for
+from draftsmith.eval.sampling import draw
+from draftsmith.models.dspark import DSparkDrafter, check_threshold
+
+
+class DSparkProposer(DFlashProposer):
+    """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block
+    (`draftsmith eval --confidence-threshold` sets it per run).
+    `refiner=False` drafts with the backbone alone (an ablation; the result stays exact)."""
+
+    def __init__(self, drafter: DSparkDrafter, target, name: str = "dspark",
+                 confidence_threshold: float | None = None, refiner: bool = True):
+        super().__init__(drafter, target, name)
+        # The checkpoint's own value was checked when its config was read; a value given here is checked once.
+        self.confidence_threshold = (float(drafter.config.confidence_threshold) if confidence_threshold is None
+                                     else check_threshold(confidence_threshold))
+        self.refiner = refiner
+        self.proposals = 0  # proposals that asked for at least one draft
+        self.early_stops = 0  # of those, ended early by the confidence head
+        self.rows_saved = 0  # verify rows those early stops did not spend
+
+    @torch.no_grad()
+    def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        if max_nodes <= 0:
+            return Draft.empty(self.device)
+        hidden, base = self.draft_block(max_nodes)
+        probs: list[torch.Tensor] = []
+
+        def pick(logits: torch.Tensor, k: int) -> torch.Tensor:
+            token, q = draw(logits, sampling, generator)
+            if q is not None:
+                probs.append(q)
+            return token
+
+        tokens, _, _ = self.drafter.refine(hidden, base, self.last, pick, self.refiner, self.confidence_threshold)
+        self.proposals += 1
+        if tokens.shape[1] < hidden.shape[1]:
+            self.early_stops += 1
+            self.rows_saved += hidden.shape[1] - tokens.shape[1]
+        return Draft(tokens[0], None, torch.cat(probs) if probs else None)
+
+    def report_extra(self) -> dict:
+        return {
+            "confidence_threshold": self.confidence_threshold,
+            "proposals": self.proposals,
+            "early_stops": self.early_stops,
+            "early_stop_rate": self.early_stops / self.proposals if self.proposals else 0.0,
+            "verify_rows_saved": self.rows_saved,
+        }
+
+
+def load_proposer(path, target, **options) -> DSparkProposer:
+    return DSparkProposer(load_drafter_for(path, "dspark", target), target, **options)

@@ -1,0 +1,75 @@
+"""The method registry: every string it holds imports as what it claims, and every table a
+test or command keeps per method covers every registered method, so a new method's entry
+is covered or fails here naming what it lacks (not when someone first runs that method)."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+import golden_runs
+from draftsmith.cli import _proposer_options, build_parser
+from draftsmith.errors import DraftsmithError
+from draftsmith.registry import METHODS, decode_options, import_ref, posthoc, proposer_names, trainable
+from draftsmith.train.method import TrainMethod
+from draftsmith.train.posthoc import PostHocMethod
+from tiny_runs import ROOT
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_registry_string_imports_as_what_its_field_says(name):
+    spec = METHODS[name]
+    refs = spec.refs()
+    assert refs["proposer"] == spec.proposer
+    for field, ref in refs.items():
+        thing = import_ref(ref, f"{name}.{field}")  # a typo fails here: ModuleNotFoundError or AttributeError
+        assert callable(thing), f"{name}.{field} = {ref!r} is not callable"
+    if spec.config:
+        assert dataclasses.is_dataclass(import_ref(spec.config, name)), f"{name}.config is not a dataclass"
+    if spec.training:
+        base = PostHocMethod if spec.reads_target_features else TrainMethod
+        assert issubclass(import_ref(spec.training, name), base), f"{name}.training is not a {base.__name__}"
+    if spec.model:
+        model = import_ref(spec.model, name)
+        assert model.method == name and callable(model.from_native), f"{name}.model is not {name}'s native module"
+    assert list(inspect.signature(import_ref(spec.proposer, name)).parameters)[:2] == ["path", "target"]
+
+
+def test_a_module_missing_from_the_build_is_one_line():
+    with pytest.raises(DraftsmithError, match="^method 'x' is not available in this build \\(no_such_module missing\\)$"):
+        import_ref("no_such_module:thing", "method 'x'")
+
+
+@pytest.mark.parametrize("name", trainable())
+def test_every_trained_method_has_a_tiny_recipe_and_a_golden_curve(name):
+    assert (ROOT / "recipes" / "tiny" / f"{name}.yaml").is_file(), f"method {name!r} has no recipes/tiny/{name}.yaml"
+    assert name in golden_runs.METHODS
+    golden_runs.settings(name)  # fails naming the method when it has no golden settings
+    assert golden_runs.golden_file(name).is_file(), f"method {name!r}: run `python scripts/update_golden.py`"
+
+
+def test_the_per_method_tables_of_the_tests_cover_every_registered_method():
+    import test_architectures
+    import test_feature_cache
+
+    assert set(METHODS) <= set(test_architectures.METHOD_PROPOSERS), "tests/test_architectures.py: METHOD_PROPOSERS"
+    assert set(proposer_names()) <= set(test_architectures.DRAFTERS)  # every --drafter name checked losslessly
+    assert set(posthoc()) <= set(test_feature_cache.METHOD) & set(test_feature_cache.TENSORS), \
+        "tests/test_feature_cache.py: METHOD and TENSORS"
+
+
+def test_a_decode_option_is_one_name_from_flag_to_proposer():
+    assert decode_options(), "no decode option registered: this test checks nothing"
+    parser = build_parser()
+    eval_help = parser._subparsers._group_actions[0].choices["eval"].format_help()
+    for method, option in decode_options():
+        assert option.flag in eval_help
+        proposer = import_ref(METHODS[method].proposer, method)
+        # The option reaches the proposer class under its own name (load_proposer passes **options on).
+        classes = [obj for obj in vars(inspect.getmodule(proposer)).values()
+                   if inspect.isclass(obj) and option.name in inspect.signature(obj).parameters]
+        assert classes, f"{method}: no proposer class takes {option.name}"
+    args = parser.parse_args(["eval", "--target", "t", "--drafter", "ngram", "--out", "o",
+                              "--confidence-threshold", "0.25"])
+    assert _proposer_options(args) == {"dspark": {"confidence_threshold": 0.25}}
+    assert _proposer_options(parser.parse_args(["eval", "--target", "t", "--drafter", "ngram", "--out", "o"])) == {}

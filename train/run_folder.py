@@ -1,0 +1,122 @@
+"""A run folder belongs to one run.
+
+`run.json` records the run that owns the folder (an id and when it started); a fresh run
+into a folder that holds another run's checkpoints, model or metrics is refused in one line
+unless it continues that run (`train.resume`) or replaces it (`train.overwrite`), since it
+would otherwise mix its files with the old run's: the old metrics wiped, the checkpoints
+of both rotated together, and a later resume continuing the wrong one. While a run is
+under way the folder's lock file keeps a second process out (draftsmith/fsutil.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import ensure_writable_dir, folder_lock, read_json, write_json
+from draftsmith.recipe import Recipe
+from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_step
+
+RUN_FILE = "run.json"
+ABANDONED = "abandoned"  # checkpoints past the step a run was resumed from
+# What a run writes in its folder; `train.overwrite` removes exactly these.
+RUN_OUTPUTS = (CHECKPOINTS, ABANDONED, "model", "metrics.jsonl", "logs", "wandb", "tracking.json", "recipe.yaml", RUN_FILE)
+
+
+def held_run(out_dir: Path) -> list[str]:
+    """What of a run `out_dir` holds: its checkpoints, its model, its logged metrics."""
+    held = []
+    folder = out_dir / CHECKPOINTS
+    saved = [p for p in folder.iterdir() if not p.name.startswith(".")] if folder.is_dir() else []
+    if saved:
+        latest = (checkpoint_folders(out_dir) or sorted(saved))[-1]
+        held.append(f"{len(saved)} checkpoint(s), the latest {latest.name}")
+    if (out_dir / "model").exists():
+        held.append("model/")
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        held.append("metrics.jsonl")
+    return held
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return folder.resolve() in (path.resolve(), *path.resolve().parents)
+
+
+def check_owner(recipe: Recipe, out_dir: Path) -> dict:
+    """The record of the run about to write `out_dir`: the folder's own when it is continued,
+    a new one when it is fresh. Read-only, so every process of a launch decides alike."""
+    t = recipe.train
+    held = held_run(out_dir)
+    record = read_json(out_dir / RUN_FILE) if (out_dir / RUN_FILE).is_file() else {}
+    if not isinstance(record, dict):
+        record = {}
+    continuing = t.resume is True or (isinstance(t.resume, str) and _inside(Path(t.resume), out_dir))
+    if t.overwrite and continuing:
+        raise DraftsmithError(f"train.overwrite=true would remove the run that train.resume={t.resume} continues; "
+                              "ask for one of them")
+    if continuing and record.get("run_id"):
+        return record
+    if held and not t.overwrite and not continuing:
+        owner = f"run {record['run_id']}, " if record.get("run_id") else ""
+        resumed = "train.resume=true to continue it" if not t.resume else "a new folder to continue that checkpoint in"
+        raise DraftsmithError(f"train.output_dir {out_dir} holds another run ({owner}{', '.join(held)}); "
+                              f"give a new folder, {resumed}, or train.overwrite=true to replace it")
+    return {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "replaces": record.get("run_id") if held else None}
+
+
+def set_aside_later_checkpoints(out_dir: Path, step: int) -> None:
+    """A run resumed from step `step` of its folder abandons the trajectory past it: its later
+    checkpoints move to ABANDONED, out of the rotation (which would keep them as the newest
+    and delete the resumed run's own) and out of a later `train.resume=true`, but not lost."""
+    later = [p for p in checkpoint_folders(out_dir) if checkpoint_step(p) > step]
+    if not later:
+        return
+    aside = out_dir / ABANDONED
+    aside.mkdir(exist_ok=True)
+    for folder in later:
+        dest = aside / folder.name
+        if dest.exists():  # set aside by an earlier resume too: keep both
+            dest = aside / f"{folder.name}-{uuid.uuid4().hex[:6]}"
+        os.rename(folder, dest)
+    print(f"draftsmith: resumed at step {step}; the later checkpoints {', '.join(p.name for p in later)} "
+          f"of the abandoned trajectory are kept in {aside}", file=sys.stderr, flush=True)
+
+
+def start_run(out_dir: Path, record: dict, overwrite: bool, resume_step: int | None = None) -> None:
+    """Main process, once the run is about to write: remove the run it replaces (asked for
+    with train.overwrite), set aside checkpoints past a resumed step, record the folder's owner."""
+    if resume_step is not None:
+        set_aside_later_checkpoints(out_dir, resume_step)
+    if overwrite and held_run(out_dir):
+        print(f"draftsmith: train.overwrite: removing the run in {out_dir} ({', '.join(held_run(out_dir))})",
+              file=sys.stderr, flush=True)
+        for name in RUN_OUTPUTS:
+            path = out_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    write_json(out_dir / RUN_FILE, {k: v for k, v in record.items() if v is not None})
+
+
+@contextlib.contextmanager
+def claim_run_folder(recipe: Recipe) -> Iterator[dict]:
+    """Create the run folder, hold its lock (main process only; the others write nothing
+    before it has checked) and check which run owns it. Yields the run's record."""
+    out_dir = ensure_writable_dir(recipe.train.output_dir)
+    main = int(os.environ.get("RANK", "0")) == 0  # set by accelerate launch / torchrun; no process group yet
+    lock = folder_lock(out_dir, "train.output_dir") if main else contextlib.nullcontext()
+    with lock as ended:
+        if ended:
+            print(f"draftsmith: taking over the lock of process {ended} in {out_dir}, which has ended",
+                  file=sys.stderr, flush=True)
+        yield check_owner(recipe, out_dir)
