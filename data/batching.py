@@ -89,12 +89,6 @@ class LengthGroupedSampler(Sampler[int]):
             yield from chunk[:spare]
 
 
-def row_lengths(rows) -> list[int]:
-    """Real tokens per row of a dataset whose rows have an `attention_mask` column."""
-    masks = rows[:]["attention_mask"]
-    return real_length(torch.as_tensor(masks)).tolist()
-
-
 def padding_share(lengths: list[int], batches: list[list[int]]) -> float:
     """The fraction of positions that are padding when each batch is cut to its longest row."""
     total = sum(len(b) * max(lengths[i] for i in b) for b in batches)

@@ -20,6 +20,7 @@ import shlex
 from pathlib import Path
 
 from draftsmith.fsutil import read_json
+from draftsmith.models.export import config_dtype, dtype_name
 from draftsmith.models.tile import plan_tile, read_target_config
 
 SGLANG = "python -m sglang.launch_server"
@@ -36,7 +37,8 @@ def serve_commands(method: str, out_dir: str | Path, target: str | Path | None) 
         return []
     target_config = read_json(Path(target) / "config.json")
     # The engine's --dtype is the target's; the drafter's own config names its dtype (the export's).
-    dtype = target_config.get("torch_dtype") or target_config.get("dtype") or "auto"
+    found = config_dtype(target_config)
+    dtype = dtype_name(found) if found else "auto"
     model = shlex.quote(str(target))
     common = f"--model-path {model} --dtype {dtype}"
     if method in ("eagle3", "mtp"):

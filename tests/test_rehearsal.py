@@ -33,6 +33,8 @@ MODELS = {"qwen3_8b": ("qwen3", "qwen3"), "llama31_8b": ("llama31", "llama")}
 RECIPES = sorted(p.relative_to(ROOT / "recipes").as_posix() for folder in MODELS
                  for p in (ROOT / "recipes" / folder).glob("*.yaml"))
 EXPORT_FORMAT = {"dflash": "zlab", "dspark": "deepspec", "eagle3": "sglang"}
+# The class each format's loader builds (z-lab, DeepSpec/SGLang/vLLM, SGLang's EAGLE-3).
+EXPORT_CLASS = {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel", "eagle3": "LlamaForCausalLMEagle3"}
 
 
 def _turn(who, text):
@@ -86,7 +88,8 @@ def rehearse(recipe: str, tmp_path: Path, hub: Path, steps: int, prompts: int) -
     run = tmp_path / "run"
     assert main(["train", str(ROOT / "recipes" / recipe), *_overrides(recipe, target, data, run, steps)]) == 0
     assert main(["export", str(run), "--format", EXPORT_FORMAT[method], "--out", str(tmp_path / "export")]) == 0
-    assert (tmp_path / "export" / "config.json").is_file()
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["architectures"] == [EXPORT_CLASS[method]], exported.get("architectures")
 
     report = tmp_path / "report"
     assert main(["eval", "--target", str(target), "--drafter", f"{method}:{run}", "--recipe",

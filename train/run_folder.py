@@ -96,8 +96,9 @@ def start_run(out_dir: Path, record: dict, overwrite: bool, resume_step: int | N
     with train.overwrite), set aside checkpoints past a resumed step, record the folder's owner."""
     if resume_step is not None:
         set_aside_later_checkpoints(out_dir, resume_step)
-    if overwrite and held_run(out_dir):
-        print(f"draftsmith: train.overwrite: removing the run in {out_dir} ({', '.join(held_run(out_dir))})",
+    held = held_run(out_dir) if overwrite else []
+    if held:
+        print(f"draftsmith: train.overwrite: removing the run in {out_dir} ({', '.join(held)})",
               file=sys.stderr, flush=True)
         for name in RUN_OUTPUTS:
             path = out_dir / name

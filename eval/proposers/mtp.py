@@ -39,7 +39,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw
-from draftsmith.models.mtp import MTPDrafter, causal_mask, engine_hidden
+from draftsmith.models.mtp import MTPDrafter, causal_mask, final_norm
 from draftsmith.models.target import crop_cache, rotary_embedding
 
 
@@ -81,6 +81,8 @@ class MTPProposer:
         self.head = target.get_output_embeddings()
         self.rotary = rotary_embedding(target)
         self.capture_layers = (target.config.num_hidden_layers - 1,)
+        # h^0 is the last layer's output after the final norm (models/mtp.py), found once, not per commit
+        self.final_norm = final_norm(target)
         self.depths: list[_Depth] = []
         self.tokens = torch.empty(0, dtype=torch.long)
         self.hidden: torch.Tensor | None = None  # h^0 (after the final norm) of committed positions but the last
@@ -108,13 +110,13 @@ class MTPProposer:
     def begin(self, prompt_ids, ctx) -> None:
         self.depths = []
         self.tokens = prompt_ids.clone()
-        self.hidden = engine_hidden(self.target, ctx.hidden[self.capture_layers[0]])
+        self.hidden = self.final_norm(ctx.hidden[self.capture_layers[0]])
 
     @torch.no_grad()
     def commit(self, accepted, ctx) -> None:
         self.tokens = torch.cat([self.tokens, accepted.to(self.tokens.device)])
         if len(ctx):
-            self.hidden = torch.cat([self.hidden, engine_hidden(self.target, ctx.hidden[self.capture_layers[0]])])
+            self.hidden = torch.cat([self.hidden, self.final_norm(ctx.hidden[self.capture_layers[0]])])
         n = len(self.tokens)
         for m, depth in enumerate(self.depths, start=1):
             crop_cache(depth.cache, depth.settled)  # drop the rows that read drafts
