@@ -412,7 +412,8 @@ class ServerClient:
         return text, tokens
 
 
-def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool) -> list[int]:
+def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool, chat_template: str | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
     """`stop_token_ids` of the target without loading its weights: its generation config."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -420,7 +421,7 @@ def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool) -> list[int]
         config = GenerationConfig.from_pretrained(str(target_dir))
     except OSError:  # no generation_config.json: the model config's eos
         config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(target_dir)))
-    return stop_token_ids(config, tokenizer, plain=plain)
+    return stop_token_ids(config, tokenizer, chat_template, plain, template_kwargs)
 
 
 def _request_seed(seed: int, index: int, turn: int) -> int:
@@ -543,9 +544,11 @@ def _collect(clients: list[ServerClient], conversations: list[list[dict]], parti
 
 
 def sampling_for(target_dir: str | Path, tokenizer, plain: bool, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> ReplyDecoding:
-    """The in-process regeneration's settings for a server: the same stop tokens and pad."""
-    stop = target_stop_ids(target_dir, tokenizer, plain)
+                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template: str | None = None,
+                 template_kwargs: dict | None = None) -> ReplyDecoding:
+    """The in-process regeneration's settings for a server: the same stop tokens (from the same
+    chat template and its switches) and pad."""
+    stop = target_stop_ids(target_dir, tokenizer, plain, chat_template, template_kwargs)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     return ReplyDecoding(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                          seed=seed, stop_ids=tuple(stop), pad_id=pad)

@@ -216,7 +216,8 @@ def regenerate_command(target: str, dataset: str | None, out: str, max_new_token
     if servers:
         from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
 
-        sampling = sampling_for(target, tokenizer, not dataset, max_new_tokens, temperature, top_p, top_k, seed)
+        sampling = sampling_for(target, tokenizer, not dataset, max_new_tokens, temperature, top_p, top_k, seed,
+                                template, template_kwargs)
         return regenerate_via_servers(list(servers), tuple(n for n in (target_name, str(target)) if n), tokenizer,
                                       conversations, out, sampling, plain=not dataset,
                                       limits=Limits(in_flight=in_flight), template_kwargs=template_kwargs)

@@ -68,7 +68,8 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
         with PartialState().main_process_first():  # the main process asks the servers; the others read its file
             if not out.is_file():
                 sampling = sampling_for(target_dir, tokenizer, embedded, data.regen_max_new_tokens,
-                                        data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed)
+                                        data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed,
+                                        template, template_kwargs)
                 regenerate_via_servers(data.regen_servers, (recipe.target.path, str(target_dir)), tokenizer,
                                        conversations(), out, sampling, plain=embedded,
                                        limits=Limits(in_flight=data.regen_in_flight), template_kwargs=template_kwargs)
