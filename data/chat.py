@@ -306,8 +306,9 @@ def pack_texts(texts, tokenizer, seq_len: int):
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DraftsmithError("tokenizer has no end-of-text token to separate documents with")
+    from draftsmith.data.stream import packed_rows  # the one packing rule, streamed corpora's too
+
     encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-    stream = np.fromiter((t for ids in encoded for t in (*ids, eos)), dtype=np.int64)
-    rows = stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len)
+    rows = np.array(list(packed_rows([encoded], eos, seq_len)), dtype=np.int64).reshape(-1, seq_len)
     ones = np.ones_like(rows)
     return datasets.Dataset.from_dict({"input_ids": rows, "attention_mask": ones, "loss_mask": ones})

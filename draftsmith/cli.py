@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
     p.add_argument("--target", required=True, help="the target: a model folder, a training run folder or a hub name")
     p.add_argument("--drafter", action="append", required=True, metavar="SPEC",
-                   help="NAME[:PATH], repeatable: " + ", ".join(
+                   help="[LABEL=]NAME[:PATH], repeatable (LABEL names the report's row; default NAME): " + ", ".join(
                        name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items()))
     p.add_argument("--dataset", default="embedded",
                    help="a benchmark by name (" + ", ".join(_benchmarks()) + "; every user turn), a jsonl of "

@@ -19,7 +19,7 @@ import yaml
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import finite, option, seed
-from draftsmith.registry import config_class
+from draftsmith.registry import METHODS, config_class
 
 
 @dataclass
@@ -34,6 +34,10 @@ class TargetSection:
     intermediate_size: int = option(0, "tiny target: MLP width (0: derived from hidden_size)")
     max_position_embeddings: int = option(2048, "tiny target: longest sequence it takes (a target at a path "
                                                 "has its own, which train.seq_len is checked against)")
+    rope_theta: float = option(0.0, "a target built from these fields (no path): RoPE base frequency (0: the "
+                                    "family's default, 10000; Llama-3 and Qwen3 use 500000 and 1000000)")
+    tie_word_embeddings: bool = option(False, "a target built from these fields (no path): one matrix for the input "
+                                              "embedding and the output head (Llama-3.2-1B and Qwen3 up to 4B tie them)")
     dtype: str = option("auto", 'dtype the frozen target is loaded in: auto, float32, bfloat16')
     attn_implementation: str = option("sdpa", "the target's attention: sdpa, eager, flash_attention_2")
     tile: int = option(128, "verify kernel tile rows; sizes D and DFlash's block (docs/design.md section 3)")
@@ -47,6 +51,11 @@ class DataSection:
     tokenizer: str = option("", "empty: the target's own, or one trained on the embedded corpus")
     vocab_size: int = option(2048, 'vocabulary of the tokenizer trained for the embedded default')
     max_chars: int = option(0, 'cap on the corpus characters read (0: all)')
+    streaming: bool = option(False, "pretraining methods: stream the corpus through datasets (streaming=True), "
+                                    "tokenized and packed as it is read, never held whole (FineWeb-Edu); "
+                                    "the run is train.max_steps long")
+    heldout_rows: int = option(256, "data.streaming: the corpus's first rows of train.seq_len tokens, held out "
+                                    "for validation and never trained on")
     num_conversations: int = option(256, 'post-hoc methods on the embedded default: prompts to regenerate')
     prompt_chars: int = option(384, '... each an excerpt of this many characters (keep within train.seq_len)')
     regenerate: bool = option(True, 'post-hoc methods: answer the prompts with the target itself')
@@ -86,10 +95,11 @@ class TrainSection:
                                                      "min_lr_ratio), or one of transformers' (linear, cosine, "
                                                      "constant_with_warmup, ...; train/schedule.py)")
     lr: float = option(1e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = option(0.1, 'cosine_with_min_lr decays to lr * min_lr_ratio')
+    min_lr_ratio: float = option(0.1, "cosine_with_min_lr decays to lr * min_lr_ratio (eagle3, dflash, dspark: 0, "
+                                      "as SpecForge and DeepSpec decay)")
     warmup_ratio: float = option(0.04, "fraction of the run's steps spent warming up linearly")
     weight_decay: float = option(0.0, "AdamW weight decay")
-    adam_beta2: float = option(0.95, "AdamW beta2")
+    adam_beta2: float = option(0.95, "AdamW beta2 (eagle3, dflash, dspark: 0.999, SpecForge's and DeepSpec's)")
     batch_size: int = option(8, 'sequences per device per micro-step')
     grad_accum: int = option(1, "micro-steps accumulated per optimizer step")
     seq_len: int = option(256, "tokens per training row")
@@ -331,6 +341,16 @@ def _length_by_epochs(data: dict) -> None:
         train["max_steps"] = 0
 
 
+def _method_train_defaults(data: dict) -> None:
+    """train.* keys the recipe leaves unset take the method's reference values (the registry's
+    `train_defaults`: SpecForge's and DeepSpec's AdamW beta2 and cosine floor, say)."""
+    method, train = data.get("method") or {}, data.get("train")
+    spec = METHODS.get(method.get("name", MethodSection.name) if isinstance(method, dict) else None)
+    if spec is None or not spec.train_defaults or not (train is None or isinstance(train, dict)):
+        return
+    data["train"] = {**spec.train_defaults, **(train or {})}
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     """Defaults, then the YAML file, then the command-line overrides."""
     data = read_yaml(path) if path else {}
@@ -338,6 +358,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         key, value = parse_override(text)
         _set_path(data, key, value)
     _length_by_epochs(data)
+    _method_train_defaults(data)
     try:
         recipe = recipe_from_dict(data)
         validate(recipe)
@@ -363,7 +384,7 @@ def validate(recipe: Recipe) -> None:
         "target.hidden_size": (target.hidden_size, 1), "target.num_heads": (target.num_heads, 1),
         "target.num_kv_heads": (target.num_kv_heads, 1),
         "target.max_position_embeddings": (target.max_position_embeddings, 1),
-        "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
+        "target.rope_theta": (target.rope_theta, 0), "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
     }
     # A method's counts (num_depths, num_layers, num_heads, ...): None means derived, else at least 1.
     at_least |= {f"method.{k}": (v, 1) for k, v in recipe.method.params.items()
@@ -398,6 +419,18 @@ def validate(recipe: Recipe) -> None:
         # config's, so a value here would be silently ignored.
         raise DraftsmithError(f"target.max_position_embeddings={target.max_position_embeddings} sizes only the tiny "
                               f"target; target {target.path} has its own (remove the key)")
+    if recipe.data.streaming and t.num_epochs:
+        raise DraftsmithError(f"train.num_epochs={t.num_epochs}: a streamed corpus (data.streaming) has no length "
+                              "to count passes in; set train.max_steps")
+    spec = METHODS.get(recipe.method.name)
+    if recipe.data.streaming and spec is not None and spec.reads_target_features:
+        raise DraftsmithError(f"data.streaming: streams pretraining text, and method {recipe.method.name} trains on "
+                              "conversations; remove the key")
+    if recipe.data.streaming and recipe.data.heldout_rows < 0:
+        raise DraftsmithError(f"data.heldout_rows: must be at least 0, got {recipe.data.heldout_rows}")
+    if target.path and (target.rope_theta or target.tie_word_embeddings):
+        raise DraftsmithError(f"target.rope_theta and target.tie_word_embeddings shape only a target built from the "
+                              f"recipe; target {target.path} has its own (remove the keys)")
     if isinstance(t.resume, str) and not t.resume:
         raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
 

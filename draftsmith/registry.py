@@ -53,6 +53,9 @@ class MethodSpec:
     foreign_layouts: dict[str, str] = field(default_factory=dict)
     # Options `eval` sets per run for every drafter of this method (variants included).
     decode_options: tuple[DecodeOption, ...] = ()
+    # train.* values as the method's reference sets them, where they differ from the schema's
+    # defaults; a recipe or override that sets the key wins.
+    train_defaults: dict[str, Any] = field(default_factory=dict)
 
     def refs(self) -> dict[str, str]:
         """Every "module:attribute" string of this entry, by the field that holds it."""
@@ -62,6 +65,10 @@ class MethodSpec:
 
 
 _NATIVE_EXPORT = "draftsmith.models.export:export_native"
+# SpecForge (specforge/optimizer.py: AdamW with torch's betas (0.9, 0.999); lr_scheduler.py:
+# CosineAnnealingWarmupLR, eta_min 0) for EAGLE-3 and DFlash; DeepSpec the same for DSpark
+# (deepspec/utils/optim.py, the same AdamW and CosineAnnealingWarmupLR with eta_min 0).
+_SPECFORGE_OPTIMIZER = {"adam_beta2": 0.999, "min_lr_ratio": 0.0}
 
 METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
     MethodSpec(
@@ -92,6 +99,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         proposer="draftsmith.eval.proposers.eagle3:load_proposer",
         config="draftsmith.models.eagle3:Eagle3Config", model="draftsmith.models.eagle3:Eagle3Drafter",
         training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
+        train_defaults=_SPECFORGE_OPTIMIZER,
         exports={"sglang": "draftsmith.models.export_eagle3:export_sglang",
                  "vllm": "draftsmith.models.export_eagle3:export_vllm", "native": _NATIVE_EXPORT},
         variants={"eagle3_tree": {"tree": True},
@@ -104,6 +112,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         proposer="draftsmith.eval.proposers.dflash:load_proposer",
         config="draftsmith.models.dflash:DFlashConfig", model="draftsmith.models.dflash:DFlashDrafter",
         training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
+        train_defaults=_SPECFORGE_OPTIMIZER,
         exports={"zlab": "draftsmith.models.export_dflash:export_zlab", "native": _NATIVE_EXPORT},
         foreign_layouts={"DFlashDraftModel": "zlab"},  # z-lab and SpecForge
     ),
@@ -112,6 +121,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         proposer="draftsmith.eval.proposers.dspark:load_proposer",
         config="draftsmith.models.dspark:DSparkConfig", model="draftsmith.models.dspark:DSparkDrafter",
         training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
+        train_defaults=_SPECFORGE_OPTIMIZER,
         # One Qwen3DSparkModel folder serves DeepSpec, SGLang and vLLM; SpecForge's trainer reads its own.
         exports={"sglang": "draftsmith.models.export_dflash:export_qwen3_dspark",
                  "vllm": "draftsmith.models.export_dflash:export_qwen3_dspark",

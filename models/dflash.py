@@ -60,11 +60,58 @@ def default_gamma(num_drafts: int) -> float:
     return min(pts[-1][1], max(1.0, y0 + (num_drafts - x0) * (y1 - y0) / (x1 - x0)))
 
 
-def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """DFlash's default context layers: round(1 + i*(L - 4)/(n - 1)), or L // 2 for one."""
+def reference_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """z-lab's and SpecForge's `build_target_layer_ids` as written, for any depth: what they
+    read from a folder whose config names no layer ids (n: its drafter layers)."""
     if n == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """DFlash's context layers: round(1 + i*(L - 4)/(n - 1)) (z-lab's and SpecForge's
+    `build_target_layer_ids`: [1, 9, 17, 25, 33] for 36 layers), or L // 2 for one. A target
+    too shallow for that spread to give n distinct layers (it spans layers 1 .. L - 3) gets
+    n layers spread evenly over 0 .. L - 2 instead: the last layer's output mostly encodes
+    the next token the target already verifies, which is why the references skip it."""
+    ids = reference_layer_ids(num_target_layers, n)
+    if len(set(ids)) < n and n <= num_target_layers - 1:
+        ids = [round(i * (num_target_layers - 2) / (n - 1)) for i in range(n)]
+    return ids
+
+
+# The drafter's shape as the reference configs choose it (docs/design.md section 7):
+# SpecForge configs/qwen2.5-0.5b-dflash.json (24 target layers), qwen3-4b-dflash.json and
+# qwen3-8b-dflash.json (36), lfm2.5-1.2b-instruct-dflash.json (16), z-lab's Qwen3 and
+# Llama-3.1 drafters and DeepSpec config/dflash/dflash_qwen3_8b.py all read 5 target layers,
+# and all but LFM's have 5 layers of their own.
+REFERENCE_DEPTH = 5
+REFERENCE_CONTEXT_LAYERS = 5
+# Query heads per KV head in those drafters: 4 (Qwen3-4B/8B, Llama-3.1-8B, LFM) and at most 7
+# (Qwen2.5-0.5B: 14 over 2). They copy the target's grouping because their targets group
+# like that; the drafter's KV heads never enter the target's verify tile.
+REFERENCE_MAX_GROUP, REFERENCE_GROUP = 7, 4
+
+
+def reference_depth(num_target_layers: int) -> int:
+    """5 layers, but never deeper than half a shallow target: a drafter as deep as its target
+    would cost a verify pass per block."""
+    return max(1, min(REFERENCE_DEPTH, num_target_layers // 2))
+
+
+def reference_context_layers(num_target_layers: int) -> int:
+    """5 context layers, at most every layer but the last of a shallow target."""
+    return max(1, min(REFERENCE_CONTEXT_LAYERS, num_target_layers - 1))
+
+
+def reference_kv_heads(num_heads: int, target_kv_heads: int) -> int:
+    """The target's KV heads where its grouping is one a reference drafter has (2 or more KV
+    heads, at most 7 query heads each); otherwise (MQA, or wider groups) the fewest KV heads
+    that divide the query heads with at most 4 per KV head, the Qwen3 and Llama drafters'."""
+    group = num_heads // max(1, target_kv_heads)
+    if target_kv_heads >= 2 and group <= REFERENCE_MAX_GROUP:
+        return target_kv_heads
+    return next(kv for kv in range(1, num_heads + 1) if num_heads % kv == 0 and num_heads // kv <= REFERENCE_GROUP)
 
 
 def tile_draft_budget(target_config, tile: int = 128) -> tuple[int, int]:
@@ -95,9 +142,10 @@ class DFlashConfig:
     target_hidden_size: int | None = option(None, "the target's hidden width (None: read from the target)")
     num_target_layers: int | None = option(None, "the target's decoder layers (None: read from the target)")
     vocab_size: int | None = option(None, "the target's vocabulary: shared embedding and head (None: read)")
-    num_layers: int | None = option(None, "drafter layers (None: 5, fewer for shallow targets)")
+    num_layers: int | None = option(None, "drafter layers (None: 5 as the references, at most half a shallow target's)")
     num_heads: int | None = option(None, "query heads (None: the target's)")
-    num_kv_heads: int | None = option(None, "KV heads (None: the target's)")
+    num_kv_heads: int | None = option(None, "KV heads (None: the target's where a reference drafter groups alike, "
+                                            "else at most 4 query heads per KV head)")
     head_dim: int | None = option(None, "per-head width (None: the target's)")
     intermediate_size: int | None = option(None, "MLP width (None: the target's)")
     rms_norm_eps: float | None = option(None, "RMSNorm epsilon (None: the target's)")
@@ -105,8 +153,10 @@ class DFlashConfig:
     max_position_embeddings: int | None = option(None, "longest position (None: the target's)")
     block_size: int | str = option("auto", "B, the block drafted in one forward; auto: fill one verify tile")
     allow_large_block: bool = option(False, "silence the warning for B past the tile rule")
+    num_context_layers: int | None = option(
+        None, "target layers read as context (None: 5 as the references, fewer for shallow targets)")
     target_layer_ids: list[int] | None = option(
-        None, 'target layers read, "output of layer i", 0-based (None: spread over its depth)')
+        None, 'target layers read, "output of layer i", 0-based (None: num_context_layers spread over its depth)')
     mask_token_id: int | None = option(None, "token id of the block's mask slots (None: the target's, else the tokenizer's)")
     gamma: float | None = option(None, "loss decay over draft positions, exp(-(j-1)/gamma) (None: DFlash's, by drafts per block)")
     num_anchors: int = option(512, "blocks per sequence in one training pass")
@@ -135,8 +185,9 @@ class DFlashConfig:
         rope = getattr(t, "rope_parameters", None) or {}
         derived = dict(
             hidden_size=shape.hidden_size, target_hidden_size=shape.hidden_size, num_target_layers=shape.num_layers,
-            vocab_size=shape.vocab_size, num_layers=min(5, max(1, shape.num_layers // 4)),
-            num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            vocab_size=shape.vocab_size, num_layers=reference_depth(shape.num_layers),
+            num_heads=shape.num_heads, num_kv_heads=reference_kv_heads(shape.num_heads, shape.num_kv_heads),
+            head_dim=shape.head_dim,
             intermediate_size=shape.intermediate_size, rms_norm_eps=getattr(t, "rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta") or getattr(t, "rope_theta", None) or 10000.0,
             max_position_embeddings=getattr(t, "max_position_embeddings", 32768),
@@ -153,7 +204,7 @@ class DFlashConfig:
     def derive(self) -> "DFlashConfig":
         """Fill what follows from the rest, then refuse anything inconsistent (one line)."""
         missing = [f.name for f in dataclasses.fields(self)
-                   if getattr(self, f.name) is None and f.name not in ("target_layer_ids", "gamma")]
+                   if getattr(self, f.name) is None and f.name not in ("target_layer_ids", "gamma", "num_context_layers")]
         if missing:
             hint = " (the tokenizer's mask token)" if missing == ["mask_token_id"] else ""
             raise DraftsmithError(f"{type(self).__name__}: {', '.join(missing)} not set{hint}")
@@ -164,8 +215,13 @@ class DFlashConfig:
                 f"block_size {self.block_size!r} gives no drafts (need at least {self.first_prediction_slot + 1})"
             )
         if self.target_layer_ids is None:
-            self.target_layer_ids = spread_layer_ids(self.num_target_layers, self.num_layers)
+            count = self.num_context_layers or reference_context_layers(self.num_target_layers)
+            self.target_layer_ids = spread_layer_ids(self.num_target_layers, count)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.num_context_layers not in (None, len(self.target_layer_ids)):
+            raise DraftsmithError(f"num_context_layers {self.num_context_layers} disagrees with target_layer_ids "
+                                  f"{self.target_layer_ids}: set one of them")
+        self.num_context_layers = len(self.target_layer_ids)
         depth = self.num_target_layers
         for i in self.target_layer_ids:
             if not 0 <= i < depth:
@@ -175,7 +231,7 @@ class DFlashConfig:
         if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
             raise DraftsmithError(
                 f"target_layer_ids {self.target_layer_ids} repeat a layer (a {depth}-layer target is too shallow "
-                f"to spread {len(self.target_layer_ids)}); set target_layer_ids or fewer num_layers"
+                f"to spread {len(self.target_layer_ids)}); set target_layer_ids or fewer num_context_layers"
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DraftsmithError(
@@ -359,17 +415,24 @@ class DFlashDrafter(nn.Module):
 
     def loss(self, target_hidden, input_ids, loss_mask, embed: nn.Module,
              head: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None = None,
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+             anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Position-weighted cross-entropy over many random blocks per sequence.
 
-        target_hidden [B, T, n*H_t] (target_layer_ids order), input_ids and loss_mask [B, T].
-        Metrics: conditional greedy accuracy acc_1..acc_{drafts} and tau_est."""
-        blocks = self.sample_blocks(input_ids, loss_mask, generator)
+        target_hidden [B, T, n*H_t] (target_layer_ids order), input_ids and loss_mask [B, T];
+        anchors [B, N] (-1 pads) instead of drawing them from `generator`.
+        Metrics: conditional greedy accuracy acc_1..acc_{drafts}, tau_est, and the
+        cross-entropy of each draft position ce_1..ce_{drafts}."""
+        blocks = self.sample_blocks(input_ids, loss_mask, generator, anchors)
         logits = head(self.training_hidden(target_hidden, blocks, embed)).float()
-        weights = blocks.label_mask * position_weights(self.drafts_per_block, self.config.gamma, logits.device)
-        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
-        loss = weighted_mean(ce.view_as(weights), weights)
-        metrics = {"ce": float(loss.detach()), **greedy_metrics(logits.argmax(-1), blocks)}
+        # SpecForge's DFlash weights (specforge/algorithms/common/dflash_family_model.py:418-432,
+        # @ a6b6b02): every loss-masked draft inside the sequence, drafts past a gap in the
+        # mask included, not only the prefix (DSpark keeps DeepSpec's prefix). The loss parity
+        # test (tests/test_loss_parity.py) holds us to it.
+        weights = blocks.in_data * position_weights(self.drafts_per_block, self.config.gamma, logits.device)
+        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(weights)
+        loss = weighted_mean(ce, weights)
+        metrics = {"ce": float(loss.detach()), **greedy_metrics(logits.argmax(-1), blocks),
+                   **position_means("ce", ce, blocks.label_mask)}
         return loss, metrics
 
 
@@ -385,6 +448,7 @@ class Blocks:
     labels: torch.Tensor  # [B, N, drafts]
     label_mask: torch.Tensor  # [B, N, drafts] float 0/1, a prefix: supervised drafts
     prev_tokens: torch.Tensor  # [B, N, drafts] the true token before each draft (teacher forcing)
+    in_data: torch.Tensor  # [B, N, drafts] float 0/1: every loss-masked draft in the sequence, past gaps too
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
@@ -420,10 +484,11 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
     where = where.clamp_max(seq - 1)
     gather = lambda t: torch.gather(t[:, None, :].expand(-1, anchors.shape[1], -1), 2, where)  # noqa: E731
     labels = gather(input_ids)
+    in_data = inside & gather(loss_mask.bool()) & real[..., None]
     # Supervise a prefix only: acceptance stops at the first draft that leaves the data.
-    label_mask = (inside & gather(loss_mask.bool()) & real[..., None]).long().cumprod(-1).float()
+    label_mask = in_data.long().cumprod(-1).float()
     prev = torch.cat([ids[..., :1], labels[..., :-1]], dim=-1)
-    return Blocks(anchors, ids, anchors[..., None] + slots, labels, label_mask, prev)
+    return Blocks(anchors, ids, anchors[..., None] + slots, labels, label_mask, prev, in_data.float())
 
 
 def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
@@ -467,6 +532,15 @@ def position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp_min(1e-6)
+
+
+@torch.no_grad()
+def position_means(name: str, values: torch.Tensor, label_mask: torch.Tensor) -> dict[str, float]:
+    """{name_k: mean of values [..., drafts] at draft k over supervised blocks}: a plateau
+    in the weighted loss tells apart positions that still learn from those at their floor."""
+    counts = label_mask.flatten(0, -2).sum(0)
+    sums = (values.detach().float() * label_mask).flatten(0, -2).sum(0)
+    return {f"{name}_{k + 1}": m for k, m in enumerate((sums / counts.clamp_min(1)).tolist())}
 
 
 @torch.no_grad()

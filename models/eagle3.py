@@ -430,14 +430,21 @@ class Eagle3Drafter(nn.Module):
         the target's distribution for token x_{t+2+i}, where loss_mask[t + 2 + i] is set.
         It attends to the step-0 keys of positions <= t (the committed context) and to
         the keys of steps 1..i at index t (its own chain): exactly the keys chain drafting
-        sees at decode time, so training and decoding compute the same function. The
-        reference (SafeAILab EAGLE-3, SpecForge) also hides step-0 keys t-i+1..t from step
-        i (SafeAILab/EAGLE#247); we do not, since decoding never hides them.
+        sees at decode time, so training and decoding compute the same function, and the
+        function SpecForge's TTT (sdpa path) computes (tests/test_loss_parity.py). SafeAILab's
+        EAGLE-3 also hides step-0 keys t-i+1..t from step i (SafeAILab/EAGLE#247); we do
+        not, since decoding never hides them. SpecForge gates the same label by
+        loss_mask[t + i] (its model.py:493 with the unshifted mask); we keep the label's
+        own mask, so that each span's first two tokens train and the two after it do not.
 
         Loss: soft cross-entropy to the target distribution restricted to the draft
         vocabulary and renormalised, averaged over positions whose target argmax has a
         draft id (others cannot be matched; the reference drops them too), summed as
-        sum_i ttt_decay**i * loss_i. Metrics: loss_k, acc_k (k = i + 1: draft argmax ==
+        sum_i ttt_decay**i * loss_i. SpecForge divides step i's sum by all B * T indices
+        instead (specforge/core/loss.py `_compute_loss`, a mean over B * T); we divide by
+        the trained count, so that a row's gradient does not depend on the batch's padded
+        width or on its neighbours' prompt lengths (batches are cut to their longest row:
+        tests/test_padding.py). Metrics: loss_k, acc_k (k = i + 1: draft argmax ==
         target argmax over all masked positions, so an argmax outside the draft
         vocabulary counts as a miss, as in SpecForge), tau_est = 1 + sum_k prod_{j<=k}
         acc_j, and vocab_coverage (masked positions whose target argmax has a draft id).

@@ -77,7 +77,7 @@ from safetensors.torch import save_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, write_json
 from draftsmith.models import zlab_modeling
-from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
 from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
 from draftsmith.models.layouts import NATIVE, expect
 from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
@@ -137,7 +137,7 @@ def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path, dtype: 
     config = _backbone_config(drafter, DSPARK_ARCH, dtype)
     config["dflash_config"].update(
         projector_type="dspark", markov_rank=c.markov_rank, markov_head_type="vanilla",
-        enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=c.bce_weight,
+        enable_confidence_head=True, confidence_head_with_markov=bool(c.markov_rank), confidence_head_alpha=c.bce_weight,
         attention_mode="mha" if c.num_kv_heads == c.num_heads else "gqa",
     )
     config["draftsmith"] = _our_settings(c)
@@ -162,7 +162,7 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
     config.update(
         target_layer_ids=list(c.target_layer_ids), mask_token_id=c.mask_token_id, num_anchors=c.num_anchors,
         markov_rank=c.markov_rank, markov_head_type="vanilla",
-        enable_confidence_head=True, confidence_head_with_markov=True, draftsmith=_our_settings(c),
+        enable_confidence_head=True, confidence_head_with_markov=bool(c.markov_rank), draftsmith=_our_settings(c),
     )
     return _write(out_dir, config, {**drafter.state_dict(), **shared})
 
@@ -241,10 +241,12 @@ def load_any(path: str | Path, method: str = "dflash", target=None) -> DFlashDra
 
 def _dspark_config(meta: dict, path) -> DSparkConfig:
     setting = lambda key, default=None: _key(meta, key, path, default)  # noqa: E731
-    if (setting("markov_head_type", "vanilla") != "vanilla" or not int(setting("markov_rank", 0) or 0)
-            or not setting("enable_confidence_head", True) or not setting("confidence_head_with_markov", True)):
-        raise DraftsmithError(f"{path}/config.json: only DSpark with a vanilla Markov head (markov_rank > 0) and a "
-                              "confidence head on [h; W1[x]] is supported")
+    rank = int(setting("markov_rank", 0) or 0)
+    # markov_rank 0 (DeepSpec's DFlash): no refiner, the confidence head on h alone.
+    if (setting("markov_head_type", "vanilla") != "vanilla" or not setting("enable_confidence_head", True)
+            or bool(setting("confidence_head_with_markov", bool(rank))) != bool(rank)):
+        raise DraftsmithError(f"{path}/config.json: only DSpark with a vanilla Markov head and a confidence head on "
+                              "[h; W1[x]] (or, with markov_rank 0, on h) is supported")
     ours = meta.get("draftsmith") or meta.get("dspark_config") or {}
     convention = ours.get("block_convention", meta.get("block_convention", ANCHOR_IS_FIRST_PREDICTION))
     if convention not in BLOCK_CONVENTIONS:
@@ -252,7 +254,7 @@ def _dspark_config(meta: dict, path) -> DSparkConfig:
             f"{path}/config.json: block_convention {convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}"
         )
     return DSparkConfig(
-        **_backbone_fields(meta, path), markov_rank=int(setting("markov_rank")), block_convention=convention,
+        **_backbone_fields(meta, path), markov_rank=rank, block_convention=convention,
         num_anchors=ours.get("num_anchors", meta.get("num_anchors", DSparkConfig.num_anchors)),
         confidence_threshold=ours.get("confidence_threshold", DSparkConfig.confidence_threshold),
     )
@@ -307,7 +309,8 @@ def _backbone_fields(meta: dict, path) -> dict:
         rope_theta=rope.get("rope_theta", meta.get("rope_theta", 10000.0)),
         max_position_embeddings=meta.get("max_position_embeddings", 32768),
         block_size=_key(meta, "block_size", path), allow_large_block=True,  # sized when it was trained
-        # Absent: the readers' default spread over the target, which DFlashConfig computes the same way.
-        target_layer_ids=_key(meta, "target_layer_ids", path, None),
+        # Absent: what z-lab and SpecForge read then, one layer per drafter layer spread their way.
+        target_layer_ids=_key(meta, "target_layer_ids", path, None) or reference_layer_ids(
+            _key(meta, "num_target_layers", path), _key(meta, "num_hidden_layers", path)),
         mask_token_id=_key(meta, "mask_token_id", path),
     )

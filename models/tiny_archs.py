@@ -36,14 +36,14 @@ def _mha_only(arch: str, shape: dict) -> None:
 def _llama(shape, ids):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**_gqa(shape), tie_word_embeddings=False, **ids)
+    return LlamaConfig(**_gqa(shape), **{"tie_word_embeddings": False, **ids})
 
 
 def _qwen3(shape, ids):
     from transformers import Qwen3Config
 
     return Qwen3Config(**_gqa(shape), head_dim=shape["hidden_size"] // shape["num_heads"],
-                       tie_word_embeddings=False, **ids)
+                       **{"tie_word_embeddings": False, **ids})
 
 
 def _qwen2(shape, ids):

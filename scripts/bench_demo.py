@@ -64,13 +64,14 @@ def load_reports(report_dir: Path) -> dict[str, dict]:
 
 
 def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
-    """{setting: {"drafters": {name: {median, min, max, seeds}}, "distinct_4gram": {...}}}
+    """{setting: {"drafters": {name: {median, min, max, seeds}}, "speedup": {name: ...}, "distinct_4gram": {...}}}
     from {seed: load_reports(...)}; a drafter missing from any seed's report is an error."""
     settings = sorted({label for reports in per_seed.values() for label in reports})
     summary = {}
     for label in settings:
         taus: dict[str, dict[int, float]] = {}
         no_loop: dict[str, dict[int, float]] = {}  # prompts whose plain text does not loop
+        speedup: dict[str, dict[int, float]] = {}
         distinct, looping = {}, {}
         for seed, reports in sorted(per_seed.items()):
             if label not in reports:
@@ -80,6 +81,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
             looping[seed] = report["baseline"].get("looping_prompts")
             for row in report["drafters"]:
                 taus.setdefault(row["name"], {})[seed] = row["tau"]
+                speedup.setdefault(row["name"], {})[seed] = row["speedup"]
                 if row.get("tau_no_loop") is not None:
                     no_loop.setdefault(row["name"], {})[seed] = row["tau_no_loop"]
         for name, values in taus.items():
@@ -91,6 +93,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
             "looping_prompts": looping,
             "drafters": {name: _spread(values) for name, values in taus.items()},
             "drafters_no_loop": {name: _spread(values) for name, values in no_loop.items()},
+            "speedup": {name: _spread(values) for name, values in speedup.items()},
         }
     return summary
 
@@ -114,13 +117,15 @@ def markdown(summary: dict, seconds: dict[int, float]) -> str:
                   f"Plain decoding's distinct 4-grams: median {d4['median']:.2f} "
                   f"(range {d4['min']:.2f} to {d4['max']:.2f}; 1 = no repeats, near 0 = a loop). "
                   f"Prompts whose plain text loops, per seed: {_seeds(block['looping_prompts'])}.", "",
-                  "| drafter | tau median | range | per seed | tau, no loop: median | range | per seed |",
-                  "| --- | ---: | ---: | --- | ---: | ---: | --- |"]
+                  "| drafter | tau median | range | per seed | tau, no loop: median | range | per seed "
+                  "| speedup: median | range |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
         for name, t in sorted(block["drafters"].items(), key=lambda kv: -kv[1]["median"]):
-            n = block["drafters_no_loop"].get(name)
+            n, s = block["drafters_no_loop"].get(name), block.get("speedup", {}).get(name)
             split = f"{n['median']:.2f} | {n['min']:.2f} to {n['max']:.2f} | {_seeds(n['seeds'])}" if n else "- | - | -"
+            fast = f"{s['median']:.2f}x | {s['min']:.2f}x to {s['max']:.2f}x" if s else "- | -"
             lines.append(f"| {name} | {t['median']:.2f} | {t['min']:.2f} to {t['max']:.2f} | {_seeds(t['seeds'])} "
-                         f"| {split} |")
+                         f"| {split} | {fast} |")
         lines.append("")
     timed = [v for v in seconds.values() if v]
     if timed:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TRAIN = ["--device", "cpu", "--hidden", "64", "--layers", "4", "--heads", "4", "--kv-heads", "1",
               "--vocab", "256", "--draft-vocab", "128", "--seq", "32", "--batch", "1", "--anchors", "4",
@@ -72,3 +74,98 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     assert (tmp_path / "verify.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = json.loads((tmp_path / "verify.json").read_text())
     assert sorted(result["sweep"], key=int) == ["4", "8", "16"] and len(result["decoder"]["drafters"]) == 7
+
+
+def bench_script(monkeypatch, name: str):
+    """A scripts/ module imported as its own script imports its siblings (bench_demo)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    return importlib.import_module(name)
+
+
+# The demo target's shape (recipes/tiny/mtp.yaml): 4 layers, 8 query heads over 1 KV head.
+DEMO_TARGET = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 8,
+               "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 704, "vocab_size": 2048,
+               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6}
+
+
+def test_ablation_rows_are_recipes_one_factor_from_base(monkeypatch):
+    import dataclasses
+
+    from draftsmith.models.dflash import default_gamma
+
+    bench = bench_script(monkeypatch, "bench_ablation")
+    for name, overrides in bench.ROWS.items():  # load_recipe refuses unknown keys and bad values
+        params = bench.row_recipe(name, "runs/t").method.params
+        if "block_size" in params and any(o.startswith("method.block_size=") for o in overrides):
+            assert params["gamma"] == default_gamma(params["block_size"] - 1), name
+    rows, skipped = bench.plan_rows(list(bench.ROWS), "runs/t", DEMO_TARGET)
+    assert "base" in rows and set(rows) | set(skipped) == set(bench.ROWS)
+    resolved = lambda overrides: bench.resolve(  # noqa: E731
+        bench.load_recipe(bench.RECIPE, ["target.path=runs/t", *overrides]), DEMO_TARGET)
+    base = dataclasses.asdict(resolved(()))
+    for name, overrides in rows.items():
+        config = resolved(overrides)
+        changed = {k for k, v in dataclasses.asdict(config).items() if v != base.get(k, v)}
+        assert (name == "base") == (not changed and type(config).__name__ == "DFlashConfig"), (name, changed)
+        if not name.startswith("block"):  # every other row drafts as many tokens per block as base
+            assert config.drafts_per_block == base["block_size"] - 1, name
+    assert resolved(rows["deepspec"]).first_prediction_slot == 0
+    for name in skipped:
+        assert dataclasses.asdict(resolved(bench.ROWS[name])) == base, name
+    # A row restating base's resolved values is the same run: skipped, not trained twice.
+    monkeypatch.setitem(bench.ROWS, "restated", (f"method.block_size={base['block_size']}",
+                                                 f"method.num_layers={base['num_layers']}"))
+    assert bench.plan_rows(["base", "restated"], "runs/t", DEMO_TARGET)[1] == {"restated": "resolves to base"}
+
+
+def test_ablation_summary_is_median_and_range_over_seeds(monkeypatch, tmp_path):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.eval.report import write_index
+    from draftsmith.fsutil import write_json
+
+    bench = bench_script(monkeypatch, "bench_ablation")
+
+    def eval_folder(folder, rows: dict[str, float]):
+        """An eval folder as `draftsmith eval` writes it for `--drafter METHOD:seedN/ROW` args:
+        per row (tau at t0.7), greedy tau_no_loop = tau - 1 and speedup = tau / 4."""
+        runs = []
+        for temperature in (0.0, 0.7):
+            drafters = [{"name": f"dflash:{folder.parent / row}", "drafter": f"dflash:{folder.parent / row}",
+                         "num_draft": 1, "tau": tau + temperature, "tau_no_loop": tau - 1, "verify_passes": 4,
+                         "committed_tokens": 8, "per_position_acceptance": [0.5], "accepted_length_hist": [2, 2],
+                         "tokens_per_s": 10.0, "speedup": (tau + temperature) / 4, "T_draft_ms": 1.0,
+                         "T_verify_ms": 2.0} for row, tau in rows.items()]
+            runs.append((f"t{temperature:g}", {
+                "target": {"path": "t", "H": 8, "KV": 1, "G": 8, "tile": 128, "D": 1},
+                "settings": {"dataset": "embedded", "num_prompts": 1, "max_new_tokens": 8, "temperature": temperature,
+                             "top_k": 20, "top_p": 0.8, "seed": 0},
+                "baseline": {"tokens_per_s": 20.0, "T_target_ms": 2.0, "distinct_4gram": 0.5, "looping_prompts": 0},
+                "drafters": drafters}))
+        folder.mkdir(parents=True)
+        for label, results in runs:
+            write_json(folder / label / "report.json", results)
+        write_index(runs, folder)
+
+    for seed, (base, block8) in enumerate([(2.0, 1.5), (3.0, 1.0), (2.5, 2.0)]):
+        eval_folder(tmp_path / f"seed{seed}" / "eval", {"base": base})
+        eval_folder(tmp_path / f"seed{seed}" / "eval-2", {"block8": block8})  # a row added later: merged
+    rows = ["base", "block8"]
+    per_seed = {seed: bench.seed_reports(tmp_path / f"seed{seed}", rows) for seed in range(3)}
+    calibration = {"base": {"overrides": [], "sec_per_step": 0.3},
+                   "block8": {"overrides": ["method.block_size=8", "method.gamma=4"], "sec_per_step": 0.25}}
+    summary = bench.summarize_rows(per_seed, {"base": 300, "block8": 360}, calibration)
+    tau = summary["base"]["tau"]
+    assert (tau["median"], tau["min"], tau["max"]) == pytest.approx((3.2, 2.7, 3.7))  # t0.7
+    greedy = summary["block8"]["tau_greedy_no_loop"]
+    assert (greedy["median"], greedy["min"], greedy["max"]) == pytest.approx((0.5, 0.0, 1.0))
+    assert summary["block8"]["speedup"]["median"] == pytest.approx(2.2 / 4)
+    [table] = md_tables(bench.markdown(summary, 90, [0, 1, 2], "B 16", {}))
+    assert [(r["row"], r["what changed"], r["steps"], r["s/step"]) for r in table] == [
+        ("base", "-", "300", "0.300"), ("block8", "block_size=8 gamma=4", "360", "0.250")]
+    assert table[0]["tau t0.7"] == "3.20 (2.70-3.70)" and table[1]["speedup t0.7"] == "0.55x (0.42-0.68)"
+    with pytest.raises(DraftsmithError, match="no eval report"):  # a seed never evaluated
+        bench.seed_reports(tmp_path / "seed3", rows)
+    with pytest.raises(DraftsmithError, match="no t0.7 result for row.s. block4"):
+        bench.seed_reports(tmp_path / "seed0", [*rows, "block4"])

@@ -24,6 +24,7 @@ from draftsmith.models.dflash import (
     default_gamma,
     greedy_metrics,
     make_blocks,
+    position_means,
     sample_anchors,
     spread_layer_ids,
 )
@@ -51,7 +52,7 @@ def target():
 
 
 def drafter_for(target, **overrides):
-    settings = {"mask_token_id": MASK, "num_layers": 2, "block_size": 6, **overrides}
+    settings = {"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2, "block_size": 6, **overrides}
     return DFlashDrafter(DFlashConfig.from_target(target.config, **settings)).eval()
 
 
@@ -92,7 +93,9 @@ def test_bad_values_are_one_line_errors():
     with pytest.raises(DraftsmithError, match="no room for drafts"):
         auto_block_size(SimpleNamespace(num_attention_heads=128, num_key_value_heads=1))
     with pytest.raises(DraftsmithError, match="repeat a layer"):
-        DFlashConfig.from_target({**vars(QWEN3_8B), "num_hidden_layers": 4}, mask_token_id=0, num_layers=2)
+        DFlashConfig.from_target({**vars(QWEN3_8B), "num_hidden_layers": 4}, mask_token_id=0, num_context_layers=4)
+    with pytest.raises(DraftsmithError, match="num_context_layers 2 disagrees with target_layer_ids"):
+        DFlashConfig.from_target(QWEN3_8B, mask_token_id=0, num_context_layers=2, target_layer_ids=[1, 9, 17])
 
 
 def test_block_past_the_tile_rule_warns_with_the_numbers():
@@ -101,6 +104,28 @@ def test_block_past_the_tile_rule_warns_with_the_numbers():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DFlashConfig.from_target(QWEN3_8B, mask_token_id=0, block_size=40, allow_large_block=True)
+
+
+def test_shape_follows_the_reference_configs_for_any_target():
+    """SpecForge's qwen2.5-0.5b/qwen3-8b DFlash configs (24 and 36 layers: 5 drafter layers, 5
+    context layers, the target's KV heads) and the rule's reading for shallow and MQA targets."""
+    qwen25 = SimpleNamespace(**{**vars(QWEN3_8B), "num_hidden_layers": 24, "hidden_size": 896,
+                                "num_attention_heads": 14, "num_key_value_heads": 2, "head_dim": 64})
+    c = DFlashConfig.from_target(qwen25, mask_token_id=0)
+    assert (c.num_layers, c.num_kv_heads, c.target_layer_ids) == (5, 2, [1, 6, 11, 16, 21])
+    c = DFlashConfig.from_target(QWEN3_8B, mask_token_id=0)
+    assert (c.num_layers, c.num_kv_heads, c.num_context_layers) == (5, 8, 5)
+    # The demo target: 4 layers, 8 query heads over 1 KV head. Half its depth, 3 context
+    # layers spread over all but the last (the reference spread repeats layer 1 there), and
+    # 2 KV heads: 4 query heads each, as the Qwen3 and Llama drafters group.
+    demo = SimpleNamespace(**{**vars(QWEN3_8B), "num_hidden_layers": 4, "hidden_size": 256,
+                              "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32})
+    c = DFlashConfig.from_target(demo, mask_token_id=0)
+    assert (c.num_layers, c.num_kv_heads, c.target_layer_ids) == (2, 2, [0, 1, 2])
+    assert spread_layer_ids(4, 3) == [0, 1, 2] and spread_layer_ids(16, 5) == [1, 4, 7, 10, 13]  # LFM's
+    # A recipe's choice wins over the rule.
+    c = DFlashConfig.from_target(demo, mask_token_id=0, num_layers=3, num_kv_heads=8, num_context_layers=1)
+    assert (c.num_layers, c.num_kv_heads, c.target_layer_ids) == (3, 8, [2])
 
 
 # ---------------------------------------------------------------- layers
@@ -230,6 +255,12 @@ def alternating_batch(generator, batch=8, length=32):
     return ids, mask
 
 
+def test_position_ce_is_the_mean_of_each_draft_positions_loss():
+    ce = torch.tensor([[[1.0, 2.0, 4.0], [3.0, 6.0, 0.0]]])  # [B=1, N=2, drafts=3]
+    mask = torch.tensor([[[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]])  # the second block's last draft is unsupervised
+    assert position_means("ce", ce, mask) == {"ce_1": 2.0, "ce_2": 4.0, "ce_3": 4.0}
+
+
 def test_loss_goes_down_on_online_features():
     target = tiny_target()
     with torch.no_grad():  # a head that reads the embedding space, as a trained LM's does
@@ -249,8 +280,11 @@ def test_loss_goes_down_on_online_features():
         optimizer.step()
         losses.append(loss.item())
         acc.append(metrics["acc_1"])
-    assert set(metrics) == {"ce", "acc_1", "acc_2", "acc_3", "tau_est"}
+        if len(losses) == 1:
+            first = metrics
+    assert set(metrics) == {"ce", "acc_1", "acc_2", "acc_3", "tau_est", "ce_1", "ce_2", "ce_3"}
     assert sum(losses[-5:]) < 0.85 * sum(losses[:5])
+    assert metrics["ce_1"] < 0.8 * first["ce_1"]  # per position too
     assert sum(acc[-5:]) > sum(acc[:5]) + 0.5
 
 

@@ -190,7 +190,10 @@ WAIT = textwrap.dedent("""
     with accelerator.main_process_first():  # as the main process regenerates while the others wait
         if accelerator.is_main_process:
             time.sleep(float(sys.argv[3]))
-    print("waited", accelerator.process_index, flush=True)
+    # One write per process: print's separate writes of its parts interleave between the two
+    # processes on the shared pipe ("waitedwaited 0" was seen); a short write is atomic.
+    sys.stdout.write(f"waited {accelerator.process_index}\\n")
+    sys.stdout.flush()
 """)
 
 

@@ -25,6 +25,7 @@ from draftsmith.models.dspark import (
 )
 from draftsmith.models.export_dflash import (
     export_dflash_zlab,
+    export_dspark_deepspec,
     export_dspark_specforge,
     load_any,
 )
@@ -34,14 +35,15 @@ from test_dflash import MASK, VOCAB, target, tiny_target  # noqa: F401  (shared 
 
 
 def dspark_for(target, **overrides) -> DSparkDrafter:
-    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "block_size": 5,
+    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2, "block_size": 5,
                                                        "markov_rank": 8, **overrides})
     return DSparkDrafter(config).eval()
 
 
 def with_trained_refiner(drafter: DSparkDrafter) -> DSparkDrafter:
-    """Give W2 weights (it starts at zero) so that the refiner actually changes logits."""
+    """Give W1 and W2 weights large enough (they start at N(0, 0.02)) that the refiner changes drafts."""
     with torch.no_grad():
+        drafter.markov_head.markov_w1.weight.normal_(std=1.0)
         drafter.markov_head.markov_w2.weight.normal_(std=0.5)
     return drafter
 
@@ -146,6 +148,51 @@ def test_loss_parts_and_a_frozen_backbone_training_only_the_heads(target):
     assert sum(losses[-3:]) < sum(losses[:3])
     assert all(torch.equal(drafter.state_dict()[k], v) for k, v in backbone.items())
     assert drafter.markov_head.markov_w2.weight.abs().sum() > 0
+
+
+def test_joint_training_reaches_the_backbone_and_heads_start_as_deepspec(target):
+    """DeepSpec trains backbone and heads together from scratch; its post_init leaves W1 and W2
+    at N(0, 0.02) (nn.Embedding alone would give W1 N(0, 1)). On a trained backbone the
+    refiner starts at W2 = 0 instead, leaving the backbone's drafts as they were."""
+    torch.manual_seed(0)
+    drafter = dspark_for(target, markov_rank=64, num_anchors=8).train()
+    assert drafter.markov_head.markov_w1.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert drafter.markov_head.markov_w2.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    ids = torch.randint(0, MASK, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats, logits = features(target, ids, drafter.config.target_layer_ids)
+    loss, _ = drafter.loss(feats, ids, torch.ones_like(ids), target.get_input_embeddings(),
+                           target.get_output_embeddings(), logits, torch.Generator().manual_seed(2))
+    loss.backward()
+    assert drafter.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0  # the TV and CE terms reach it
+    dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=5))
+    assert DSparkDrafter.from_dflash(dflash, markov_rank=8).markov_head.markov_w2.weight.abs().sum() == 0
+
+
+def test_markov_rank_0_is_deepspecs_dflash(target, tmp_path):
+    """DeepSpec's config/dflash/dflash_qwen3_8b.py: markov_rank 0, CE only, the anchor slot
+    predicting draft 1. No refiner; it trains, decodes losslessly and round-trips its export."""
+    drafter = dspark_for(target, markov_rank=0, tv_weight=0.0, bce_weight=0.0, ce_weight=1.0, num_anchors=8)
+    assert drafter.markov_head is None and drafter.drafts_per_block == 5
+    ids = torch.randint(0, MASK, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        feats, logits = features(target, ids, drafter.config.target_layer_ids)
+    loss, metrics = drafter.train().loss(feats, ids, torch.ones_like(ids), target.get_input_embeddings(),
+                                         target.get_output_embeddings(), logits, torch.Generator().manual_seed(2))
+    assert loss.item() == pytest.approx(metrics["ce"], rel=1e-6)
+    drafter.eval()
+    prompt = torch.randint(0, MASK, (10,), generator=torch.Generator().manual_seed(4))
+    expected = target.generate(prompt[None], max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    decoder = SpeculativeDecoder(target, DSparkProposer(drafter, target), num_draft=5, eos_token_id=())
+    assert decoder.generate(prompt, 20).tokens.tolist() == expected[0, 10:].tolist()
+    export_dspark_deepspec(drafter, tmp_path / "ds", target)
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["markov_rank"] == 0 and config["confidence_head_with_markov"] is False
+    again = load_dspark(tmp_path / "ds", target)
+    assert again.drafter.markov_head is None
+    hidden, base = first_block(DSparkProposer(drafter, target), target, prompt)
+    hidden2, base2 = first_block(again, target, prompt)
+    assert torch.equal(base.argmax(-1), base2.argmax(-1))
 
 
 def test_stop_rule_on_a_hand_worked_block(target):

@@ -65,6 +65,15 @@ def test_greedy_and_sampled_reports_side_by_side(runs, tmp_path):
     assert "Greedy" in front and "Temperature 1" in front and "t1/report.md" in front
 
 
+def test_labels_name_two_checkpoints_of_one_method(runs, tmp_path):
+    out = tmp_path / "labels"
+    assert main(eval_args(runs, out, "--drafter", f"mtp:{runs / 'mtp'}", "--drafter", f"mtp_k1=mtp_nextn:{runs / 'mtp'}",
+                          "--drafter", "lookup=ngram", "--num-draft", "2")) == 0
+    rows = json.loads((out / "report.json").read_text())["drafters"]
+    assert [(r["name"], r["drafter"]) for r in rows] == [
+        ("mtp", f"mtp:{runs / 'mtp'}"), ("mtp_k1", f"mtp_k1=mtp_nextn:{runs / 'mtp'}"), ("lookup", "lookup=ngram")]
+
+
 @pytest.mark.parametrize("make_args, message", [
     (lambda r: ["--drafter", "medusa"], "unknown name 'medusa'"),
     (lambda r: ["--drafter", f"mtp:{r / 'draft_lm'}"], "has no MTP modules"),

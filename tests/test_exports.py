@@ -52,13 +52,14 @@ def with_random_heads(drafter):
     return drafter.eval()
 
 
-def dflash(target):
-    return DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6)).eval()
+def dflash(target, num_context_layers=2):
+    return DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6,
+                                                  num_context_layers=num_context_layers)).eval()
 
 
 def dspark(target, **overrides):
-    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "block_size": 5,
-                                                       "markov_rank": 8, **overrides})
+    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2,
+                                                       "block_size": 5, "markov_rank": 8, **overrides})
     return with_random_heads(DSparkDrafter(config))
 
 
@@ -144,11 +145,12 @@ def test_dspark_exports_refuse_what_their_loaders_would_misread(target, tmp_path
 def test_zlab_and_specforge_exports_load_with_transformers_alone(target, tmp_path):
     from transformers import AutoModel
 
-    feats = torch.randn(1, 7, 2 * 64, generator=torch.Generator().manual_seed(0))
     ids = torch.tensor([[5] + [MASK] * 5])
     embeds = target.get_input_embeddings()(ids)
     positions = torch.arange(7 + 6)[None]
     for drafter, export in ((dflash(target), "zlab"), (dspark(target, block_size=6), "specforge")):
+        width = len(drafter.config.target_layer_ids) * 64  # every layer it reads
+        feats = torch.randn(1, 7, width, generator=torch.Generator().manual_seed(0))
         native = save_drafter(drafter, tmp_path / export)
         out = export_run(native, export, tmp_path / f"{export}-out")
         config = json.loads((out / "config.json").read_text())

@@ -141,7 +141,7 @@ def test_validation_of_eval_batches_before_a_partial_last_batch():
     loader = accelerator.prepare(DataLoader(data, batch_size=4))
 
     class Method:
-        def loss(self, model, batch, step):
+        def loss(self, model, batch, step, micro=0):
             return batch["x"].mean(), {f"m{k}": float(batch["x"].sum()) for k in range(6)}
 
     val = loop.evaluate(Method(), torch.nn.Linear(1, 1), loader, 2, 0, accelerator)
@@ -200,11 +200,11 @@ def test_a_resumed_run_logs_the_same_windows(run, tmp_path, monkeypatch):
     calls = {"n": 0}
     real_loss = MTPTraining.loss
 
-    def dying_loss(self, model, batch, step):
+    def dying_loss(self, model, batch, step, micro=0):
         calls["n"] += 1
         if calls["n"] == 5:  # step 5: after the checkpoint at 3 and the log at 4
             raise KeyboardInterrupt
-        return real_loss(self, model, batch, step)
+        return real_loss(self, model, batch, step, micro=micro)
 
     broken = tmp_path / "broken"
     monkeypatch.setattr(MTPTraining, "loss", dying_loss)
@@ -413,8 +413,8 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkp
 
     real_loss = MTPTraining.loss
 
-    def nan_from_step_3(self, model, batch, step):
-        loss, metrics = real_loss(self, model, batch, step)
+    def nan_from_step_3(self, model, batch, step, micro=0):
+        loss, metrics = real_loss(self, model, batch, step, micro=micro)
         return (loss * float("nan") if step >= 2 else loss), metrics
 
     monkeypatch.setattr(MTPTraining, "loss", nan_from_step_3)
@@ -433,7 +433,7 @@ def test_derived_figures_show_a_nan_loss():
     accelerator = Accelerator(cpu=True)
 
     class Method:
-        def loss(self, model, batch, step):
+        def loss(self, model, batch, step, micro=0):
             return torch.tensor(float("nan")), {"loss_main": float("nan")}
 
     val = loop.evaluate(Method(), torch.nn.Linear(1, 1), [{"x": 1}], 1, 0, accelerator)

@@ -150,7 +150,7 @@ def test_a_cache_made_for_something_else_is_refused_in_one_line(target, tmp_path
     refused("eagle3", eagle3, r"written for another target .*: the weights of .*other_target differ",
             target__path=str(other))
     refused("dflash", eagle3, r"holds method='eagle3'; this run needs method='dflash'")
-    refused("dflash", dflash, r"holds layer_ids=\[2\]; this run needs layer_ids=\[0, 3\]",
+    refused("dflash", dflash, r"holds layer_ids=\[0, 1, 2\]; this run needs layer_ids=\[0, 3\]",
             method__target_layer_ids=[0, 3])
     refused("eagle3", eagle3, r"holds draft_vocab_sha256=", method__draft_vocab_size=64)
     refused("eagle3", eagle3, r"holds train.seq_len=80; this run needs train.seq_len=64", train__seq_len=64)

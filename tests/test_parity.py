@@ -37,9 +37,11 @@ def reference(module: str):
         pytest.fail(f"{module} does not import ({error}): {INSTALL}")
 
 
-def block_inputs(target):
-    """Context features of 7 positions, a block [anchor, MASK x 5], and their positions."""
-    feats = torch.randn(1, 7, 2 * 64, generator=torch.Generator().manual_seed(0))
+def block_inputs(target, drafter):
+    """Context features of 7 positions (of every layer the drafter reads), a block
+    [anchor, MASK x 5], and their positions."""
+    width = len(drafter.config.target_layer_ids) * drafter.config.target_hidden_size
+    feats = torch.randn(1, 7, width, generator=torch.Generator().manual_seed(0))
     embeds = target.get_input_embeddings()(torch.tensor([[5] + [MASK] * 5]))
     return feats, embeds, torch.arange(7 + 6)[None]
 
@@ -56,13 +58,14 @@ def ours_block(drafter, feats, embeds, positions):
     return drafter(embeds, positions[:, 7:], drafter.context_kv(feats, positions[:, :7]))
 
 
+@pytest.mark.parametrize("context_layers", [2, 3])  # as many as the drafter's layers, and more (the demo's shape)
 @pytest.mark.parametrize("module", ["dflash.model", "specforge.modeling.draft.dflash"])
-def test_dflash_export_runs_in_the_reference_class_as_ours(module, target, tmp_path):
+def test_dflash_export_runs_in_the_reference_class_as_ours(module, context_layers, target, tmp_path):
     ref_module = reference(module)
-    drafter = dflash(target)
+    drafter = dflash(target, context_layers)
     out = export_run(save_drafter(drafter, tmp_path / "native"), "zlab", tmp_path / "zlab")
     model = load_reference(ref_module.DFlashDraftModel, out, Qwen3Config.from_pretrained(out))
-    feats, embeds, positions = block_inputs(target)
+    feats, embeds, positions = block_inputs(target, drafter)
     with torch.no_grad():
         theirs = model(position_ids=positions, noise_embedding=embeds, target_hidden=feats)
         ours = ours_block(drafter, feats, embeds, positions)
@@ -76,7 +79,7 @@ def test_dspark_specforge_export_runs_in_specforge_as_ours(target, tmp_path):
     drafter = dspark(target, block_size=6)
     out = export_run(save_drafter(drafter, tmp_path / "native"), "specforge", tmp_path / "sf")
     model = load_reference(ref_module.DSparkDraftModel, out, Qwen3Config.from_pretrained(out))
-    feats, embeds, positions = block_inputs(target)
+    feats, embeds, positions = block_inputs(target, drafter)
     prev = torch.tensor([[5, 9, 11, 3, 2, 7]])
     with torch.no_grad():
         theirs = model(position_ids=positions, noise_embedding=embeds, target_hidden=feats)

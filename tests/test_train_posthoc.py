@@ -142,3 +142,29 @@ def test_export_cli_writes_engine_layouts_and_refuses_the_wrong_format(target, t
     report = evaluate(target, tmp_path / "r", f"eagle3:{tmp_path / 'sglang'}", f"eagle3:{run}", extra=("--num-draft", "4"))
     first, second = report.values()
     assert first["tau"] == second["tau"]
+
+
+def test_anchors_are_drawn_per_micro_batch_and_process_and_a_resume_draws_the_same(target, tmp_path, monkeypatch):
+    """Every micro-batch of a step and every process draws its own anchor positions (one seed
+    per step made all of them alike); a run resumed from a checkpoint, accumulating two
+    micro-batches a step, continues the uninterrupted trajectory."""
+    from draftsmith.train.dflash import DFlashTraining, anchor_seed
+    from tiny_runs import interrupted
+
+    def train_losses(run):
+        return [(r["step"], r["train/loss"]) for r in metrics(run) if "train/loss" in r]
+
+    seeds = {anchor_seed(0, micro, process, True) for micro in range(4) for process in range(2)}
+    assert len(seeds) == 8 and anchor_seed(0, 3, 1, True) == anchor_seed(0, 3, 1, True)
+    assert anchor_seed(0, 3, 1, False) not in seeds and anchor_seed(1, 3, 1, True) not in seeds
+    settings = dict(train__max_steps=6, train__grad_accum=2, train__batch_size=4, train__save_every=3,
+                    train__eval_every=100, train__log_every=1, method__num_anchors=8, method__block_size=4)
+    straight = tmp_path / "straight"
+    train(posthoc("dflash", straight, target, **settings))
+    broken = tmp_path / "broken"
+    interrupted(monkeypatch, DFlashTraining, 9, lambda: train(posthoc("dflash", broken, target, **settings)))
+    train(posthoc("dflash", broken, target, **settings, train__resume=True))
+    expected, resumed = train_losses(straight), train_losses(broken)
+    assert [s for s, _ in resumed] == list(range(1, 7))
+    for (s1, a), (s2, b) in zip(expected, resumed):
+        assert s1 == s2 and a == pytest.approx(b, rel=1e-5, abs=1e-6)

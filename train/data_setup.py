@@ -14,8 +14,10 @@ from draftsmith.recipe import Recipe
 def load_tokenizer(recipe: Recipe):
     from draftsmith.data.tokenizer import load_pretrained_tokenizer
 
-    source = recipe.data.tokenizer or (find_model_dir(recipe.target.path) if recipe.target.path else "")
-    if source:
+    # A hub name (data.tokenizer or the target's) is read from its snapshot in the Hugging Face cache.
+    named = recipe.data.tokenizer or recipe.target.path
+    if named:
+        source = find_model_dir(named)
         return load_pretrained_tokenizer(source, "data.tokenizer" if recipe.data.tokenizer else "target")
     from draftsmith.data.corpus import load_embedded_corpus
     from draftsmith.data.tokenizer import train_tokenizer
@@ -41,8 +43,14 @@ def corpus_texts(recipe: Recipe, split: str) -> list[str]:
 
 
 def packed_corpus(recipe: Recipe, tokenizer, split: str):
+    """The packed rows of one split; with data.streaming, the validation rows in a list and
+    the training rows as a stream (data/stream.py)."""
     from draftsmith.data.chat import pack_texts
 
+    if recipe.data.streaming:
+        from draftsmith.data.stream import streamed_corpus
+
+        return streamed_corpus(recipe.data, tokenizer, recipe.train.seq_len, split)
     rows = pack_texts(corpus_texts(recipe, split), tokenizer, recipe.train.seq_len)
     if len(rows) == 0:
         raise DraftsmithError(

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+from accelerate import PartialState
 
 from draftsmith.models.dflash import concat_layers
 from draftsmith.models.native import save_drafter
 from draftsmith.registry import config_class, import_ref, method_spec
 from draftsmith.train.posthoc import LossForward, PostHocMethod
+
+
+def anchor_seed(seed: int, micro: int, process: int, training: bool) -> int:
+    """The seed of one micro-batch's anchors: every micro-batch and every process draws its
+    own positions (as the references draw per batch), and a resumed run draws the same ones
+    as the uninterrupted run, since `micro` resumes with the loop."""
+    return int(np.random.SeedSequence([seed, micro, process, int(training)]).generate_state(1, np.uint64)[0] >> 1)
 
 
 class DFlashTraining(PostHocMethod):
@@ -45,14 +54,12 @@ class DFlashTraining(PostHocMethod):
         """What the drafter's loss takes after the head (DSpark: the target's logits)."""
         return ()
 
-    def loss(self, model, batch, step):
+    def loss(self, model, batch, step, micro=0):
         f = self.features(batch)
         hidden = f["hidden"].float()
-        # Anchors are drawn from a generator seeded by the step, so a resumed run draws
-        # the same blocks as the uninterrupted one.
-        gen = torch.Generator(device=batch["input_ids"].device).manual_seed(
-            self.recipe.train.seed * 1_000_003 + step * 2 + (0 if model.training else 1))
         mask = batch["loss_mask"] * batch["attention_mask"]
+        gen = torch.Generator(device=batch["input_ids"].device).manual_seed(
+            anchor_seed(self.recipe.train.seed, micro, PartialState().process_index, model.training))
         return model(hidden, batch["input_ids"], mask, self.embed, self.head, *self.loss_inputs(f), generator=gen)
 
     def save(self, model, out_dir: Path) -> Path:

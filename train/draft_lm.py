@@ -41,7 +41,7 @@ class DraftLMTraining(TrainMethod):
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
         self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
 
-    def loss(self, model, batch, step):
+    def loss(self, model, batch, step, micro=0):
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits[:, :-1]
         lm = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())

@@ -42,7 +42,7 @@ class Eagle3Training(PostHocMethod):
         d2t = self.model.drafter.d2t.cpu().numpy().tobytes()
         return {**super().feature_spec(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16]}
 
-    def loss(self, model, batch, step):
+    def loss(self, model, batch, step, micro=0):
         f = self.features(batch)
         return model(f["hidden"].float(), batch["input_ids"], f["logits"].float(), batch["loss_mask"],
                      batch["attention_mask"], target_top=f["target_top"])

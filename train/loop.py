@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from draftsmith.data.batching import LengthGroupedSampler, real_length, trim_padding
 from draftsmith.errors import DraftsmithError, first_lines
@@ -168,8 +168,8 @@ def evaluate(method, model, loader, max_batches: int, step: int, accelerator) ->
     with torch.no_grad():
         # zip stops before fetching a batch past max_batches: fetching one more would end the
         # loader's pass and make gather_for_metrics cut its input to the last batch's remainder.
-        for _, batch in zip(range(max_batches), loader):
-            loss, metrics = method.loss(model, batch, step)
+        for index, batch in zip(range(max_batches), loader):
+            loss, metrics = method.loss(model, batch, step, micro=index)
             for k, v in {"loss": loss.item(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
@@ -212,7 +212,9 @@ def make_loaders(method, recipe: Recipe) -> tuple[DataLoader, DataLoader]:
     """The training and evaluation loaders: each batch cut to its longest row (data/batching.py);
     training rows shuffled, or grouped by length with data.group_by_length, from train.seed."""
     t = recipe.train
-    if recipe.data.group_by_length:
+    if isinstance(method.train_data, IterableDataset):  # a stream (data.streaming): rows in corpus order
+        order = {}
+    elif recipe.data.group_by_length:
         lengths = real_length(method.train_tokens()["attention_mask"]).tolist()
         order = {"sampler": LengthGroupedSampler(lengths, t.batch_size, t.seed)}
     else:  # accelerate swaps in its seedable sampler (DataLoaderConfiguration in make_accelerator)
@@ -220,7 +222,7 @@ def make_loaders(method, recipe: Recipe) -> tuple[DataLoader, DataLoader]:
     train_loader = DataLoader(method.train_data, batch_size=t.batch_size, drop_last=True, collate_fn=trim_padding,
                               **order)
     eval_loader = DataLoader(method.eval_data, batch_size=t.batch_size, shuffle=False, collate_fn=trim_padding)
-    if len(train_loader) == 0:
+    if not isinstance(method.train_data, IterableDataset) and len(train_loader) == 0:
         raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: fewer training rows than train.batch_size={t.batch_size}")
     return train_loader, eval_loader
 
@@ -303,9 +305,15 @@ def _train(recipe: Recipe, run: dict) -> Path:
     if accelerator.distributed_type == DistributedType.FSDP:  # shard units from the model being trained
         set_fsdp_wrap_classes(method.model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(method.model, adamw, train_loader, eval_loader)
+    stream = method.train_data if isinstance(method.train_data, IterableDataset) else None
+    if stream is not None and hasattr(stream, "resume_at"):  # its resume points go into every checkpoint
+        accelerator.register_for_checkpointing(stream)
     # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
     # differ between one and several processes, and break `micro = step * grad_accum` on resume.
-    per_epoch = len(train_loader) - len(train_loader) % t.grad_accum
+    if stream is not None:  # a stream is read once, as far as the run goes
+        per_epoch = t.max_steps * t.grad_accum
+    else:
+        per_epoch = len(train_loader) - len(train_loader) % t.grad_accum
     if per_epoch == 0:
         raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(train_loader)} batches per epoch, "
                               f"fewer than train.grad_accum={t.grad_accum}")
@@ -349,10 +357,14 @@ def _train(recipe: Recipe, run: dict) -> Path:
     while step < max_steps:
         epoch, skip = divmod(micro, per_epoch)
         train_loader.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        if skip and stream is not None and hasattr(stream, "resume_at"):  # restarts near its row, not from row 0
+            stream.resume_at(skip * t.batch_size * accelerator.num_processes)
+            loader = train_loader
+        else:
+            loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         for batch in loader:
             with accelerator.accumulate(model):
-                loss, metrics = method.loss(model, batch, step)
+                loss, metrics = method.loss(model, batch, step, micro=micro)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and t.clip > 0:
                     metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), t.clip))
@@ -397,6 +409,9 @@ def _train(recipe: Recipe, run: dict) -> Path:
                                                              "s": time.perf_counter() - started})
             if step >= max_steps or micro % per_epoch == 0:
                 break
+        else:  # only a stream ends before its pass does: the corpus is shorter than the run
+            raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: the corpus ended after {micro} batches of "
+                                  f"train.batch_size={t.batch_size}, before step {max_steps} (train.max_steps)")
     bar.close()
     accelerator.wait_for_everyone()
     final = None

@@ -23,7 +23,7 @@ class TrainMethod:
     """Base class: subclasses set `model`, `train_data`, `eval_data` in __init__."""
 
     model: nn.Module
-    train_data: Any  # a map-style dataset of dicts of equal-shape tensors
+    train_data: Any  # a map-style dataset of dicts of equal-shape tensors, or a stream (an IterableDataset)
     eval_data: Any
     total_steps: int = 0  # the run's optimizer steps, set by the loop once the data is known (train.num_epochs)
 
@@ -35,7 +35,11 @@ class TrainMethod:
         """The training rows' token columns [N, T] (`attention_mask` sizes data.group_by_length's groups)."""
         return self.train_data[:]
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int,
+             micro: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+        """(loss, metrics) of one micro-batch; `micro` numbers the run's micro-batches (the
+        loop's count, resumed with it; validation numbers its own batches), for methods that
+        draw random numbers per batch."""
         raise NotImplementedError
 
     def tokens_in(self, batch: dict[str, torch.Tensor]) -> int:

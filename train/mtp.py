@@ -34,13 +34,17 @@ class TargetWithMTP(nn.Module):
 def build_target(recipe, tokenizer) -> nn.Module:
     t = recipe.target
     if t.path:
-        return load_target(find_model_dir(t.path), frozen=False)  # pretraining continues: not frozen
+        # Pretraining continues: not frozen, and in float32 whatever the checkpoint's dtype (bf16 for
+        # Llama-3.2 and Qwen3), so AdamW updates float32 weights; the forward runs in train.mixed_precision.
+        return load_target(find_model_dir(t.path), dtype="float32", attn_implementation=t.attn_implementation,
+                           frozen=False)
     return build_tiny_target(
         seed=recipe.train.seed, arch=t.arch, vocab_size=len(tokenizer), num_layers=t.num_layers,
         hidden_size=t.hidden_size, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads,
         intermediate_size=t.intermediate_size or None, max_position_embeddings=t.max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=t.tie_word_embeddings,
+        **({"rope_theta": t.rope_theta} if t.rope_theta else {}),
     )
 
 
@@ -61,7 +65,7 @@ class MTPTraining(TrainMethod):
         early = step < c.lambda_switch * self.total_steps
         return (c.lambda_early if early else c.lambda_late) / max(1, c.num_depths)
 
-    def loss(self, model, batch, step):
+    def loss(self, model, batch, step, micro=0):
         ids = batch["input_ids"]
         logits, depth_logits = model(ids)
         main = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())

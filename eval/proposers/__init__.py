@@ -2,24 +2,37 @@
 
 `base.py` holds the protocol the decoder speaks; each method's proposer lives in
 `<method>.py` beside it and exposes `load_proposer(path, target, **options)`. A drafter
-argument on the command line (`--drafter`) is `NAME[:PATH]`; the names, their options and whether they
+argument on the command line (`--drafter`) is `[LABEL=]NAME[:PATH]`; the names, their options and whether they
 need a path all come from the method registry (`draftsmith/registry.py`). A proposer's
 module is imported only when an argument names it, so evaluating n-gram imports no model.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import check_capturable, find_model_dir
 from draftsmith.registry import import_ref, proposer_names
 
+_LABEL = re.compile(r"([A-Za-z0-9_.+-]+)=(.*)")
+
+
+def split_label(arg: str) -> tuple[str | None, str]:
+    """`LABEL=NAME[:PATH]` -> (LABEL, "NAME[:PATH]"); without a label, (None, arg). The label
+    names the drafter's row in reports, so that two checkpoints of one method (a DSpark trained
+    jointly and one on a frozen DFlash backbone, say) can sit side by side."""
+    match = _LABEL.fullmatch(arg)
+    if match and ":" not in match.group(1):
+        return match.group(1), match.group(2)
+    return None, arg
+
 
 def parse_drafter_arg(arg: str) -> tuple[str, Path | None]:
-    """A `--drafter` argument, `NAME[:PATH]` -> (name, the model folder PATH stands for, or None). PATH may be a hub
-    name (`eagle3:ORG/NAME`, a published drafter), found through huggingface_hub's cache."""
-    name, _, path = arg.partition(":")
+    """A `--drafter` argument, `[LABEL=]NAME[:PATH]` -> (name, the model folder PATH stands for, or None). PATH may be
+    a hub name (`eagle3:ORG/NAME`, a published drafter), found through huggingface_hub's cache."""
+    name, _, path = split_label(arg)[1].partition(":")
     names = proposer_names()
     if name not in names:
         raise DraftsmithError(f"drafter {arg!r}: unknown name {name!r} (known: {', '.join(names)})")
@@ -45,6 +58,6 @@ def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None
     method, options = proposer_names()[name]
     options = {**options, **(overrides or {}).get(method.name, {})}
     proposer = import_ref(method.proposer, f"drafter {arg!r}")(path, target, **options)
-    proposer.name = name
+    proposer.name = split_label(arg)[0] or name
     check_capturable(target, proposer.capture_layers, f"drafter {arg!r}")
     return proposer
