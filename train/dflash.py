@@ -33,6 +33,7 @@ class DFlashTraining(PostHocMethod):
         drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
         self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
         self.layer_ids = list(drafter.config.target_layer_ids)
+        self.process_index = PartialState().process_index  # read once, not per training step
         head = self.target.get_output_embeddings()
         self.embed = self.target.get_input_embeddings()
         self.head = lambda h: head(h.to(head.weight.dtype))
@@ -59,7 +60,7 @@ class DFlashTraining(PostHocMethod):
         hidden = f["hidden"].float()
         mask = batch["loss_mask"] * batch["attention_mask"]
         gen = torch.Generator(device=batch["input_ids"].device).manual_seed(
-            anchor_seed(self.recipe.train.seed, micro, PartialState().process_index, model.training))
+            anchor_seed(self.recipe.train.seed, micro, self.process_index, model.training))
         return model(hidden, batch["input_ids"], mask, self.embed, self.head, *self.loss_inputs(f), generator=gen)
 
     def save(self, model, out_dir: Path) -> Path:
