@@ -96,7 +96,7 @@ FROZEN = textwrap.dedent("""
     assert not frozen & {id(p) for p in model.parameters()}
     assert not frozen & {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert frozen and not any(p.requires_grad for p in target.parameters())
-    print("frozen target outside", type(model).__name__)
+    os.write(1, f"frozen target outside {type(model).__name__}\\n".encode())  # one write: two processes share the pipe
 """)
 
 
@@ -180,7 +180,7 @@ def test_a_gpu_config_on_a_machine_without_gpus_stops_every_process(tmp_path):
 # ---------------------------------------------------------------- the process group's timeout
 
 WAIT = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from draftsmith.recipe import load_recipe
     from draftsmith.train.loop import make_accelerator
@@ -192,8 +192,7 @@ WAIT = textwrap.dedent("""
             time.sleep(float(sys.argv[3]))
     # One write per process: print's separate writes of its parts interleave between the two
     # processes on the shared pipe ("waitedwaited 0" was seen); a short write is atomic.
-    sys.stdout.write(f"waited {accelerator.process_index}\\n")
-    sys.stdout.flush()
+    os.write(1, f"waited {accelerator.process_index}\\n".encode())
 """)
 
 
@@ -214,6 +213,7 @@ def test_the_recipes_dist_timeout_bounds_the_wait_for_the_main_process(tmp_path)
 # ---------------------------------------------------------------- accelerate configs from anywhere
 
 DEEPSPEED = textwrap.dedent("""
+    import os
     import sys
     from pathlib import Path
     from draftsmith.recipe import load_recipe
@@ -221,7 +221,7 @@ DEEPSPEED = textwrap.dedent("""
 
     accelerator = make_accelerator(load_recipe(None, ["tracking.report_to=none"]), Path(sys.argv[1]))
     zero = accelerator.deepspeed_plugin.deepspeed_config["zero_optimization"]
-    print("zero", zero["stage"], zero["reduce_bucket_size"], flush=True)
+    os.write(1, f"zero {zero['stage']} {zero['reduce_bucket_size']}\\n".encode())  # one write: print's parts interleave
 """)
 
 

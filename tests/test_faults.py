@@ -488,10 +488,14 @@ def test_two_runs_at_once_into_one_folder(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "draftsmith.cli", "train", recipe_path("mtp"),
            *overrides(out, **{**STRAIGHT, "train__max_steps": 100_000, "train__save_every": 100_000})]
-    first = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    # Its stderr to a file, not a pipe: nobody reads a pipe while it trains, and once its
+    # progress bar fills one the run blocks in a write and can neither train nor stop.
+    log = tmp_path / "first.err"
+    with log.open("w") as err:  # the child keeps its own copy of the descriptor
+        first = subprocess.Popen(cmd, stderr=err, text=True)
     try:
         while not (out / "metrics.jsonl").is_file():  # under way: its lock is held
-            assert first.poll() is None, first.stderr.read()[-2000:]
+            assert first.poll() is None, log.read_text()[-2000:]
             time.sleep(0.05)
         second = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
         assert first.poll() is None  # still running: the refusal was the lock's, not a finished run's
@@ -499,7 +503,7 @@ def test_two_runs_at_once_into_one_folder(tmp_path):
         assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
     finally:
         first.send_signal(signal.SIGINT)
-        first.wait()
+        first.wait(timeout=120)
     assert not (out / ".lock").exists()  # released on the way out
 
 

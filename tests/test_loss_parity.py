@@ -170,9 +170,11 @@ def specforge_eagle3(monkeypatch):
     model = import_without_triton("specforge.algorithms.eagle3.model")
     strategies = reference("specforge.training.strategies.base")
     monkeypatch.setattr(model, "LogSoftmaxLoss", cpu_log_softmax_loss)
-    # Their teacher and loss are torch.compile'd; eager on CPU computes the same.
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    return model, strategies
+    # Their teacher and loss are torch.compile'd; eager on CPU computes the same. Through
+    # torch's own patch: pytest's monkeypatch (9.2) undoes a module attribute by deleting it,
+    # which hides the config key from every later torch.compile in the session.
+    with torch._dynamo.config.patch(disable=True):
+        yield model, strategies
 
 
 def specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats, ids, logits, loss_mask, attention):
