@@ -491,8 +491,12 @@ def test_two_runs_at_once_into_one_folder(tmp_path):
     # Its stderr to a file, not a pipe: nobody reads a pipe while it trains, and once its
     # progress bar fills one the run blocks in a write and can neither train nor stop.
     log = tmp_path / "first.err"
+    # SIGINT back to its default in the child: a shell's background job (CI's, nohup's) runs
+    # with SIGINT ignored, the child would inherit that, and Python would not turn it into
+    # KeyboardInterrupt, so the run would neither stop nor release its lock.
     with log.open("w") as err:  # the child keeps its own copy of the descriptor
-        first = subprocess.Popen(cmd, stderr=err, text=True)
+        first = subprocess.Popen(cmd, stderr=err, text=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         while not (out / "metrics.jsonl").is_file():  # under way: its lock is held
             assert first.poll() is None, log.read_text()[-2000:]
@@ -503,7 +507,11 @@ def test_two_runs_at_once_into_one_folder(tmp_path):
         assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
     finally:
         first.send_signal(signal.SIGINT)
-        first.wait(timeout=120)
+        try:
+            first.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            first.kill()  # never left training on behind the suite
+            raise
     assert not (out / ".lock").exists()  # released on the way out
 
 
