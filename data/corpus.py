@@ -121,8 +121,9 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "
 _LOCAL_SLICES = {"train": "train[:90%]", "validation": "train[90%:95%]", "test": "train[95%:]"}
 
 
-def load_dataset_spec(spec: str, split: str = "train", name: str | None = None):
-    """A `datasets.Dataset` from a local file (json, jsonl, parquet, csv, text) or a hub name.
+def load_dataset_spec(spec: str, split: str = "train", name: str | None = None, streaming: bool = False):
+    """A `datasets.Dataset` from a local file (json, jsonl, parquet, csv, text) or a hub name;
+    with `streaming`, a `datasets.IterableDataset` read as it is iterated (data/stream.py).
 
     A local file is read whole as the split "train" (slices such as "train[:95%]" carve it).
     Loading goes through the `datasets` cache, so a second run reuses the Arrow files.
@@ -143,12 +144,14 @@ def load_dataset_spec(spec: str, split: str = "train", name: str | None = None):
         source = dataset_source(spec)  # offline and not in the Hugging Face cache: one line here
     try:
         if path.is_file():
-            dataset = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split=split)
+            dataset = datasets.load_dataset(_BUILDERS[suffix], data_files=str(path), split=split, streaming=streaming)
         else:  # a folder of data files, or a hub name (its cached snapshot, else online)
-            dataset = datasets.load_dataset(str(path) if path.exists() else source, name, split=split)
-    except Exception as exc:  # datasets raises many types (hub, schema, Arrow); report the first line
-        raise DraftsmithError(f"dataset {spec} (split {split!r}): {first_lines(exc, 1)}") from None
-    if len(dataset) == 0:
+            dataset = datasets.load_dataset(str(path) if path.exists() else source, name, split=split,
+                                            streaming=streaming)
+    except Exception as exc:  # datasets raises many types (hub, config, schema, Arrow); report the first line
+        where = f"config {name!r}, " if name else ""
+        raise DraftsmithError(f"dataset {spec} ({where}split {split!r}): {first_lines(exc, 1)}") from None
+    if not streaming and len(dataset) == 0:  # a stream has no length until it is read
         raise DraftsmithError(f"dataset {spec} (split {split!r}) is empty")
     return dataset
 

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
-from pathlib import Path
 
 import torch
 from torch.utils.data import IterableDataset
 
-from draftsmith.errors import DraftsmithError, first_lines
+from draftsmith.errors import DraftsmithError
 
 # Documents tokenized together: the fast tokenizers encode a batch in parallel threads.
 DOCS_PER_BATCH = 256
@@ -61,28 +60,9 @@ def open_text_stream(spec: str, config: str, split: str, text_field: str):
     """The documents of `spec` (a hub name, dataset folder or data file), streamed: a
     `datasets.IterableDataset` and the text column. Checked before any row is read: the
     name (offline and not cached: one line), the config, the split and the column."""
-    import datasets
+    from draftsmith.data.corpus import load_dataset_spec
 
-    from draftsmith.data.corpus import _BUILDERS
-    from draftsmith.models.hub import dataset_source
-
-    source, name = dataset_source(spec), config or None
-    path = Path(source).expanduser()
-    if path.is_file():
-        if path.suffix.lower() not in _BUILDERS:
-            raise DraftsmithError(f"data.dataset {spec}: unknown file type {path.suffix!r} "
-                                  f"(expected one of {', '.join(_BUILDERS)})")
-        source, name = _BUILDERS[path.suffix.lower()], None
-        kwargs = {"data_files": str(path)}
-    elif source.startswith((".", "/", "~")) and not path.exists():
-        raise DraftsmithError(f"data.dataset {spec}: no such file or folder")
-    else:
-        kwargs = {}
-    try:
-        stream = datasets.load_dataset(source, name, split=split, streaming=True, **kwargs)
-    except Exception as exc:  # datasets raises many types (config, split, hub, schema): its first line
-        where = f"config {config!r}, " if config else ""
-        raise DraftsmithError(f"data.dataset {spec} ({where}split {split!r}): {first_lines(exc, 1)}") from None
+    stream = load_dataset_spec(spec, split, name=config or None, streaming=True)
     columns = list(stream.column_names or [])
     column = text_field or "text"
     if column not in columns:

@@ -121,7 +121,7 @@ def markdown(summary: dict, seconds: dict[int, float]) -> str:
                   "| speedup: median | range |",
                   "| --- | ---: | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
         for name, t in sorted(block["drafters"].items(), key=lambda kv: -kv[1]["median"]):
-            n, s = block["drafters_no_loop"].get(name), block.get("speedup", {}).get(name)
+            n, s = block["drafters_no_loop"].get(name), block["speedup"].get(name)
             split = f"{n['median']:.2f} | {n['min']:.2f} to {n['max']:.2f} | {_seeds(n['seeds'])}" if n else "- | - | -"
             fast = f"{s['median']:.2f}x | {s['min']:.2f}x to {s['max']:.2f}x" if s else "- | -"
             lines.append(f"| {name} | {t['median']:.2f} | {t['min']:.2f} to {t['max']:.2f} | {_seeds(t['seeds'])} "

@@ -276,10 +276,7 @@ def test_eagle3_loss_equals_specforge_strategy(specforge_eagle3, target, tmp_pat
     torch.testing.assert_close(ours, renormalised, rtol=RTOL, atol=0)
     ours.backward()
     renormalised.backward()
-    theirs_params = dict(draft.named_parameters())
-    for name, param in drafter.named_parameters():
-        if param.requires_grad:
-            torch.testing.assert_close(param.grad, theirs_params[name].grad, rtol=RTOL, atol=1e-7, msg=name)
+    assert_same_grads(drafter, draft)
     # Their strategy's loss is the 0.8**i sum of those same step losses.
     expected = sum(decay**i * float(step.detach()) for i, step in enumerate(plosses))
     assert float(theirs.detach()) == pytest.approx(expected, rel=RTOL, abs=0)

@@ -159,11 +159,25 @@ def test_anchors_are_drawn_per_micro_batch_and_process_and_a_resume_draws_the_sa
     assert anchor_seed(0, 3, 1, False) not in seeds and anchor_seed(1, 3, 1, True) not in seeds
     settings = dict(train__max_steps=6, train__grad_accum=2, train__batch_size=4, train__save_every=3,
                     train__eval_every=100, train__log_every=1, method__num_anchors=8, method__block_size=4)
+    real_loss, seen = DFlashTraining.loss, []
+
+    def recording_loss(self, model, batch, step, micro=0):  # the micro-batch numbers the loop passes
+        if model.training:
+            seen.append(micro)
+        return real_loss(self, model, batch, step, micro=micro)
+
     straight = tmp_path / "straight"
-    train(posthoc("dflash", straight, target, **settings))
+    with monkeypatch.context() as patch:
+        patch.setattr(DFlashTraining, "loss", recording_loss)
+        train(posthoc("dflash", straight, target, **settings))
+    assert seen == list(range(12))  # 6 steps of 2 micro-batches, each its own number
     broken = tmp_path / "broken"
     interrupted(monkeypatch, DFlashTraining, 9, lambda: train(posthoc("dflash", broken, target, **settings)))
-    train(posthoc("dflash", broken, target, **settings, train__resume=True))
+    seen.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(DFlashTraining, "loss", recording_loss)
+        train(posthoc("dflash", broken, target, **settings, train__resume=True))
+    assert seen == list(range(6, 12))  # from the step-3 checkpoint on, numbered as the straight run
     expected, resumed = train_losses(straight), train_losses(broken)
     assert [s for s, _ in resumed] == list(range(1, 7))
     for (s1, a), (s2, b) in zip(expected, resumed):

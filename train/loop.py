@@ -306,8 +306,9 @@ def _train(recipe: Recipe, run: dict) -> Path:
         set_fsdp_wrap_classes(method.model)
     model, optimizer, train_loader, eval_loader = accelerator.prepare(method.model, adamw, train_loader, eval_loader)
     stream = method.train_data if isinstance(method.train_data, IterableDataset) else None
-    if stream is not None and hasattr(stream, "resume_at"):  # its resume points go into every checkpoint
-        accelerator.register_for_checkpointing(stream)
+    resumable = stream if hasattr(stream, "resume_at") else None  # data/stream.py's PackedStream
+    if resumable is not None:  # its resume points go into every checkpoint
+        accelerator.register_for_checkpointing(resumable)
     # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
     # differ between one and several processes, and break `micro = step * grad_accum` on resume.
     if stream is not None:  # a stream is read once, as far as the run goes
@@ -357,8 +358,8 @@ def _train(recipe: Recipe, run: dict) -> Path:
     while step < max_steps:
         epoch, skip = divmod(micro, per_epoch)
         train_loader.set_epoch(epoch)
-        if skip and stream is not None and hasattr(stream, "resume_at"):  # restarts near its row, not from row 0
-            stream.resume_at(skip * t.batch_size * accelerator.num_processes)
+        if skip and resumable is not None:  # restarts near its row, not from row 0
+            resumable.resume_at(skip * t.batch_size * accelerator.num_processes)
             loader = train_loader
         else:
             loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
