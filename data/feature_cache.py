@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file, ensure_writable_dir, read_json, write_json
+from draftsmith.fsutil import atomic_file, ensure_writable_dir, open_safetensors, read_json, write_json
 from draftsmith.processes import Processes
 
 FORMAT = "draftsmith-feature-cache/1"
@@ -74,7 +73,7 @@ def target_fingerprint(model_dir: str | Path) -> dict[str, str]:
         config.pop(volatile, None)
     weights = hashlib.sha256()
     for file in _weight_files(model_dir):
-        with safe_open(str(file), "pt") as f:
+        with open_safetensors(file) as f:
             for name in sorted(f.keys()):
                 part = f.get_slice(name)
                 shape = part.get_shape()
@@ -119,7 +118,7 @@ def load_target_ends(path: str | Path, dtype: str = "auto", device=None) -> Targ
     wanted = {f"{names[m]}.{p}": (m, p) for m in (embed, head) for p, _ in m.named_parameters(recurse=False)}
     found = {}
     for file in _weight_files(model_dir):
-        with safe_open(str(file), "pt") as f:
+        with open_safetensors(file) as f:
             found.update({k: f.get_tensor(k) for k in wanted.keys() & set(f.keys())})
     if f"{names[head]}.weight" not in found and getattr(config, "tie_word_embeddings", False):
         found[f"{names[head]}.weight"] = found.get(f"{names[embed]}.weight")
@@ -169,6 +168,15 @@ def check_sizes(batch_size: int, shard_rows: int) -> None:
         raise DraftsmithError(f"--batch-size: must be at least 1, got {batch_size}")
     if shard_rows < 0:
         raise DraftsmithError(f"--shard-rows: must be 0 (about {_human(SHARD_BYTES)} each) or more, got {shard_rows}")
+
+
+def _whole(file: Path) -> bool:
+    """Whether a file the cache wrote is there and readable (written whole; not cut since)."""
+    try:
+        with open_safetensors(file):
+            return True
+    except DraftsmithError:
+        return False
 
 
 def _plan_covers(shards: list, n: int) -> bool:
@@ -228,12 +236,12 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
     if processes.main:
         print(f"feature cache: {n} rows x {seq_len} positions x ({per_position}) = {_human(n * row_bytes)} "
               f"in {len(manifest['shards'])} shard(s) -> {out}", flush=True)
-        if not (out / ROWS).is_file():
+        if not _whole(out / ROWS):  # absent, or damaged since: written anew
             with atomic_file(out / ROWS, "wb") as f:
                 f.write(save({k: v.contiguous() for k, v in tokens.items()}))
         write_json(out / MANIFEST, {**manifest, "complete": False})
     mine = [s for i, s in enumerate(manifest["shards"]) if processes.mine(i)]
-    todo = [s for s in mine if not (out / s["file"]).is_file()]
+    todo = [s for s in mine if not _whole(out / s["file"])]
     total = sum(b - a for a, b in (s["rows"] for s in mine))
     done = total - sum(b - a for a, b in (s["rows"] for s in todo))
     with tqdm(total=total, initial=done, desc="cache features", unit="row", dynamic_ncols=True,
@@ -277,7 +285,12 @@ class FeatureCache:
         if not m.get("complete") or missing or not _plan_covers(m["shards"], m.get("num_rows", 0)):
             raise DraftsmithError(f"feature cache {self.path} is incomplete ({len(missing)} of {len(m['shards'])} "
                                   "shards missing): rerun draftsmith data cache-hidden with the same arguments")
-        self.tokens = load_file(str(self.path / m["rows_file"]))
+        remedy = "rerun draftsmith data cache-hidden with the same arguments to write it anew"
+        for shard in m["shards"]:  # headers only: a truncated shard is named now, not mid-run
+            with open_safetensors(self.path / shard["file"], remedy):
+                pass
+        with open_safetensors(self.path / m["rows_file"], remedy) as f:
+            self.tokens = {k: f.get_tensor(k) for k in f.keys()}
 
     def expect_target(self, model_dir: str | Path) -> None:
         want = self.manifest["target"]
@@ -323,7 +336,7 @@ class CachedRows(torch.utils.data.Dataset):
         row = self.start + i
         s = bisect.bisect_right(self.starts, row) - 1
         if s not in self.handles:
-            self.handles[s] = safe_open(str(self.cache.path / self.shards[s]["file"]), "pt")
+            self.handles[s] = open_safetensors(self.cache.path / self.shards[s]["file"])
         j = row - self.starts[s]
         item = {k: v[i] for k, v in self.tokens.items()}
         item.update({k: self.handles[s].get_slice(k)[j : j + 1][0] for k in self.keys})

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file
+from draftsmith.fsutil import atomic_file, check_not_an_input
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ def prepare(name: str, out: str | Path, limit: int | None = None, source: str | 
     spec = SOURCES[name]
     if source is not None and not Path(source).is_dir():
         raise DraftsmithError(f"data prepare: --source {source}: no such folder")
+    check_not_an_input(out, {"--source": source})  # a device, a link or a folder: before anything is read
     where = str(source) if source is not None else spec.hub_id  # data/corpus.py finds it in the hub cache
     conversations = load_conversations(where, limit=limit, config=spec.config, split=spec.split)
     out = Path(out)

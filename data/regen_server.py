@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -47,9 +48,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat import end_of_turn_ids
+from draftsmith.data.conversations import replace_surrogates
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import ensure_writable_dir
 from draftsmith.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # Mixed scripts, digits, code and whitespace: two different tokenizers all but never
 # count the same number of tokens for it (and its chat rendering).
@@ -171,6 +175,84 @@ class Limits:
     startup_retries: int = 1
 
 
+_DEADLINE = threading.local()  # the whole-answer deadline of the request this thread is sending
+
+
+def _http_modules():
+    """The HTTP client and core packages the installed openai client is built on (httpx and
+    httpcore; httpx2 and httpcore2 from openai 3.x on), whose transport we extend."""
+    import importlib
+
+    import openai
+
+    base = next(c for c in openai.DefaultHttpxClient.__mro__[1:] if c.__name__ == "Client")
+    name = base.__module__.split(".")[0]
+    return importlib.import_module(name), importlib.import_module(name.replace("httpx", "httpcore"))
+
+
+def _deadline_transport():
+    """A transport on which every answer arrives whole within its request's timeout, or times
+    out. The client's own timeouts hold per socket operation, so a server sending a byte every
+    few seconds (in its headers or its body) never trips them. A request is sent and its answer
+    read on the caller's thread: the deadline is that thread's, set as the request goes out,
+    and every connect, write and read of its connection waits at most for what is left of it.
+    Running out reads as any timeout does: the client retries, then gives up in one line."""
+    httpx, httpcore = _http_modules()
+
+    def left(timeout: float | None) -> float | None:
+        end = getattr(_DEADLINE, "end", None)
+        if end is None:
+            return timeout
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise httpcore.ReadTimeout("the whole answer did not arrive within the request's timeout")
+        return remaining if timeout is None else min(timeout, remaining)
+
+    class Stream(httpcore.NetworkStream):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def read(self, max_bytes, timeout=None):
+            return self.inner.read(max_bytes, left(timeout))
+
+        def write(self, buffer, timeout=None):
+            self.inner.write(buffer, left(timeout))
+
+        def close(self):
+            self.inner.close()
+
+        def start_tls(self, ssl_context, server_hostname=None, timeout=None):
+            return Stream(self.inner.start_tls(ssl_context, server_hostname, left(timeout)))
+
+        def get_extra_info(self, info):
+            return self.inner.get_extra_info(info)
+
+    class Backend(httpcore.NetworkBackend):
+        def __init__(self):
+            self.inner = httpcore.SyncBackend()
+
+        def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+            return Stream(self.inner.connect_tcp(host, port, left(timeout), local_address, socket_options))
+
+        def connect_unix_socket(self, path, timeout=None, socket_options=None):
+            return Stream(self.inner.connect_unix_socket(path, left(timeout), socket_options))
+
+        def sleep(self, seconds):
+            self.inner.sleep(seconds)
+
+    class Transport(httpx.HTTPTransport):
+        def handle_request(self, request):
+            seconds = (request.extensions.get("timeout") or {}).get("read")
+            _DEADLINE.end = None if seconds is None else time.monotonic() + seconds
+            return super().handle_request(request)
+
+    transport = Transport(trust_env=False, limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+    # httpx builds its connection pool with httpcore's default backend and takes none of its own.
+    assert hasattr(transport._pool, "_network_backend"), "httpcore's pool no longer names its backend"
+    transport._pool._network_backend = Backend()
+    return transport
+
+
 class _Refused(Exception):
     """The server answered 4xx: the request itself is wrong for it; retrying cannot help."""
 
@@ -201,8 +283,10 @@ class Endpoint:
             raise DraftsmithError('regeneration through servers needs the openai client: '
                                   'pip install "draftsmith[serve]"') from None
         # trust_env=False: no proxy from the environment; these URLs are on the cluster network.
+        # The timeouts are whole-answer deadlines (`_deadline_transport`), not per socket read.
+        http = openai.DefaultHttpxClient(trust_env=False, transport=_deadline_transport())
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key(), max_retries=limits.retries,
-                                    timeout=limits.timeout, http_client=openai.DefaultHttpxClient(trust_env=False))
+                                    timeout=limits.timeout, http_client=http)
         self.startup = self.client.with_options(timeout=limits.startup_timeout,
                                                 max_retries=min(limits.startup_retries, limits.retries))
 
@@ -326,6 +410,8 @@ class ServerClient:
         self.endpoint, self.plain, self.sampling = Endpoint(url, limits), plain, sampling
         self.template_kwargs = dict(template_kwargs or {})  # enable_thinking, as the recipe decided
         self.tokenizer, self.lock = tokenizer, threading.Lock()
+        self.surrogates = 0  # lone surrogates replaced in this server's answers
+        self._token_chars = None
         try:
             listed = self.endpoint.call("/models", startup=True)
         except _Refused as exc:
@@ -395,7 +481,33 @@ class ServerClient:
             raise DraftsmithError(f"{where}: an answer without choices: {_short(reply)[:200]}") from None
         if text is not None and not isinstance(text, str):
             raise DraftsmithError(f"{where}: a malformed answer: its text is {_short(text)[:100]}, not a string")
-        return text or ""
+        text, replaced = replace_surrogates(text or "")  # before any tokenizer (or the UTF-8 file) sees it
+        if replaced:
+            with self.lock:
+                self.surrogates += replaced
+        return text
+
+    def token_chars(self) -> int:
+        """The most characters one token of the target's tokenizer can decode to (its longest
+        vocabulary entry, byte-level or not, and one for a joining space)."""
+        if self._token_chars is None:
+            with self.lock:
+                vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+                self._token_chars = max(map(len, vocab), default=64) + 1
+        return self._token_chars
+
+    def _check_length(self, text: str, tokens: int | None, where: str) -> None:
+        """An answer no longer than the max_tokens asked for, checked before it is tokenized or
+        written: a server that ignores the limit would otherwise hand the tokenizer (or a
+        training row) megabytes."""
+        asked = self.form["max_tokens"]
+        if tokens is not None and tokens > asked:
+            raise DraftsmithError(f"{where}: the answer counts {tokens} completion tokens, more than the max_tokens "
+                                  f"{asked} asked for: the server does not keep to it")
+        if len(text) > asked * self.token_chars():
+            raise DraftsmithError(f"{where}: an answer of {len(text)} characters, more than {asked} tokens can hold "
+                                  f"(at most {self.token_chars()} characters each): the server does not keep to "
+                                  "max_tokens")
 
     def complete(self, history: list[dict], seed: int, request: str = "a request") -> tuple[str, int]:
         """The reply to `history` and its token count; `request` names it in errors."""
@@ -406,6 +518,7 @@ class ServerClient:
             raise DraftsmithError(f"server {self.endpoint.url}, {request}: {exc}") from None
         text = self._reply_text(reply, request)
         tokens = _count(reply.get("usage"), "completion_tokens", f"server {self.endpoint.url}, {request}")
+        self._check_length(text, tokens, f"server {self.endpoint.url}, {request}")
         if tokens is None:
             with self.lock:  # a Rust tokenizer is not to be used by two threads at once
                 tokens = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -480,6 +593,10 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
                            + ([template_kwargs] if template_kwargs else []))  # older runs' keys stay
     with resuming(partial, 1, len(conversations)) as done:
         _collect(clients, conversations, partial, done, limits.in_flight)
+    replaced = sum(client.surrogates for client in clients)
+    if replaced:  # invalid text in answers: replaced before any tokenizer or the UTF-8 file saw it
+        log.warning("draftsmith: regenerate: replaced %d lone UTF-16 surrogate(s) in the servers' answers with "
+                    "U+FFFD", replaced)
     os.replace(partial, out_path)
     return out_path
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.chat import chat_format, render_text, resolve_template, thinking_kwargs
 from draftsmith.data.regen_server import ReplyDecoding, partial_path, resuming, stop_token_ids, user_turns
 from draftsmith.errors import DiskFull, DraftsmithError
-from draftsmith.fsutil import atomic_file, check_not_an_input, full_disk_reason, is_disk_full
+from draftsmith.fsutil import atomic_file, check_not_an_input, full_disk_reason, is_disk_full, write_failure
 from draftsmith.logs import show_progress
 from draftsmith.processes import Processes
 
@@ -137,7 +137,7 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
         except Exception as exc:
             if not is_disk_full(exc):
                 raise
-            raise DiskFull(f"cannot write {partial}: the disk is full ({full_disk_reason(exc)}); the answers "
+            raise DiskFull(f"cannot write {partial}: {write_failure(exc)} ({full_disk_reason(exc)}); the answers "
                            "written before are kept there: rerun the same command to resume") from None
     if procs.world == 1:
         os.replace(partial, out_path)

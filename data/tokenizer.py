@@ -95,3 +95,36 @@ def check_fits(tokenizer, vocab_size: int | None, source, target) -> None:
     if vocab_size and len(tokenizer) > vocab_size:
         raise DraftsmithError(f"the tokenizer of {source} has {len(tokenizer)} tokens, more than the {vocab_size} "
                               f"of target {target}'s vocabulary; use the target's own tokenizer")
+
+
+def choose_mask_token(tokenizer, vocab_size: int, rows: list) -> tuple[int, str]:
+    """The token id DFlash and DSpark fill a block's unknown slots with, and why that one.
+
+    The block is embedded with the target's own frozen embedding, in training and in the
+    engines (SGLang and vLLM embed `mask_token_id` through the target's embedding), so the
+    mask must be a row of that embedding: a row the drafter owned would be a parameter no
+    engine layout carries. In order: the tokenizer's mask token; the first embedding row
+    past the tokenizer's tokens (the padded rows of a 151,936-row Qwen3 embedding, where
+    z-lab's Qwen3 drafters put theirs); else the last special token that is not BOS, EOS,
+    padding or unknown and never occurs in the training rows (SmolLM2's 49,152 rows are all
+    tokens: its `<empty_output>`), so that no real input looks like a mask."""
+    import torch
+
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id), f"the tokenizer's mask token {tokenizer.mask_token!r}"
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), (f"embedding row {len(tokenizer)}, the first past the tokenizer's "
+                                f"{len(tokenizer)} tokens (the target's embedding has {vocab_size} rows)")
+    reserved = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = sorted({i for i, t in tokenizer.added_tokens_decoder.items() if t.special} - reserved)
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for ids in rows:
+        seen[ids.reshape(-1).clamp(0, vocab_size - 1)] = True
+    unused = [i for i in special if i < vocab_size and not seen[i]]
+    if not unused:
+        raise DraftsmithError(f"no mask token: the tokenizer has none, the target's {vocab_size} embedding rows are "
+                              "all tokens, and every special token occurs in the training rows; set "
+                              "method.mask_token_id to a token id the data never uses")
+    chosen = unused[-1]
+    return chosen, (f"special token {tokenizer.convert_ids_to_tokens(chosen)!r} (id {chosen}), which never occurs "
+                    "in the training rows: the tokenizer has no mask token and the embedding no spare row")

@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import output_lock
 from draftsmith.registry import METHODS, decode_options, export_formats, import_ref, posthoc, proposer_names
 
 
@@ -46,6 +47,14 @@ def _plan(args) -> None:
     from draftsmith.models.tile import plan_command
 
     print(plan_command(args.target, args.tile, args.tp))
+    if args.measure:
+        from draftsmith.models.latency import measure_command
+
+        if not args.out:
+            raise DraftsmithError("plan --measure: give --out DIR (the latency table's folder)")
+        print()
+        print(measure_command(args.target, args.tile, args.tp, args.out, contexts=args.contexts,
+                              max_draft=args.max_draft, reps=args.reps, device=args.device))
 
 
 def _eval(args) -> None:
@@ -64,6 +73,7 @@ def _eval(args) -> None:
         temperatures=args.temperature or [defaults.temperature], top_k=pick(args.top_k, defaults.top_k),
         top_p=pick(args.top_p, defaults.top_p), seed=pick(args.seed, defaults.seed),
         num_draft=None if num_draft == -1 else num_draft,  # the flag's -1 is the recipe's null: the tile rule
+        latency_table=args.latency_table or "", calibration_prompts=args.calibration_prompts,
         tile=pick(args.tile, target.tile),
         prompt_chars=args.prompt_chars,
         drafters=args.drafter,
@@ -72,7 +82,8 @@ def _eval(args) -> None:
         chat_template=pick(args.chat_template, recipe_data.chat_template),
         enable_thinking=pick(args.enable_thinking, recipe_data.enable_thinking),
     )
-    print_summary(evaluate(args.target, settings, args.out), args.out)
+    with output_lock(args.out):  # one writer per --out: a second eval into it is refused in one line
+        print_summary(evaluate(args.target, settings, args.out), args.out)
 
 
 def _proposer_options(args) -> dict[str, dict]:
@@ -98,25 +109,28 @@ def _regenerate(args) -> None:
     if not target:
         raise DraftsmithError("data regenerate: give --target (or a --recipe with target.path)")
     dataset = pick(args.dataset, data.dataset if data.dataset != "embedded" else None)
-    out = regenerate_command(str(find_model_dir(target)), dataset, args.out,
-                             max_new_tokens=pick(args.max_new_tokens, data.regen_max_new_tokens),
-                             temperature=pick(args.temperature, data.regen_temperature),
-                             top_p=pick(args.top_p, data.regen_top_p), top_k=pick(args.top_k, data.regen_top_k),
-                             seed=pick(args.seed, recipe.train.seed), batch_size=args.batch_size, limit=args.limit,
-                             servers=pick(args.server, data.regen_servers),
-                             in_flight=pick(args.in_flight, data.regen_in_flight), target_name=target,
-                             dataset_config=pick(args.dataset_config, data.dataset_config),
-                             dataset_split=pick(args.dataset_split, data.dataset_split),
-                             columns=data.columns if args.dataset is None else None,
-                             chat_template=pick(args.chat_template, data.chat_template),
-                             enable_thinking=pick(args.enable_thinking, data.enable_thinking))
+    with output_lock(args.out):  # two regenerations would share one partial file (answers doubled)
+        out = regenerate_command(str(find_model_dir(target)), dataset, args.out,
+                                 max_new_tokens=pick(args.max_new_tokens, data.regen_max_new_tokens),
+                                 temperature=pick(args.temperature, data.regen_temperature),
+                                 top_p=pick(args.top_p, data.regen_top_p), top_k=pick(args.top_k, data.regen_top_k),
+                                 seed=pick(args.seed, recipe.train.seed), batch_size=args.batch_size, limit=args.limit,
+                                 servers=pick(args.server, data.regen_servers),
+                                 in_flight=pick(args.in_flight, data.regen_in_flight), target_name=target,
+                                 dataset_config=pick(args.dataset_config, data.dataset_config),
+                                 dataset_split=pick(args.dataset_split, data.dataset_split),
+                                 columns=data.columns if args.dataset is None else None,
+                                 chat_template=pick(args.chat_template, data.chat_template),
+                                 enable_thinking=pick(args.enable_thinking, data.enable_thinking))
     print(f"wrote {out}")
 
 
 def _prepare(args) -> None:
     from draftsmith.data.prepare import prepare
 
-    print(f"wrote {prepare(args.name, args.out, limit=args.limit, source=args.source)}")
+    with output_lock(args.out):
+        out = prepare(args.name, args.out, limit=args.limit, source=args.source)
+    print(f"wrote {out}")
 
 
 def _cache_hidden(args) -> None:
@@ -128,8 +142,9 @@ def _cache_hidden(args) -> None:
     # The flags are overrides by another name (JSON-quoted: YAML would misread some paths).
     flags = {"target.path": args.target, "data.dataset": args.dataset, "method.name": args.method}
     overrides = [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
-    out = cache_hidden(load_recipe(args.recipe, overrides), args.out, batch_size=args.batch_size,
-                       shard_rows=args.shard_rows)
+    recipe = load_recipe(args.recipe, overrides)
+    with output_lock(args.out):  # one writer per cache folder
+        out = cache_hidden(recipe, args.out, batch_size=args.batch_size, shard_rows=args.shard_rows)
     print(f"wrote {out}")
 
 
@@ -144,9 +159,11 @@ def _export(args) -> None:
     if out in (Path(args.run_dir).resolve(), Path(find_model_dir(args.run_dir)).resolve()):
         raise DraftsmithError(f"--out {args.out} is the folder being exported; give a new folder")
     check_replaceable(args.out, "config.json", "export")  # an existing folder is replaced whole
-    written = export_run(args.run_dir, args.format, args.out, dtype=args.dtype)
+    with output_lock(args.out):
+        written = export_run(args.run_dir, args.format, args.out, dtype=args.dtype, latency_table=args.latency_table)
     print(f"wrote {written}")
-    for line in export_notes(args.run_dir, args.format, written):  # a layout's caveat, then how to serve it
+    # a layout's caveat, then how to serve it
+    for line in export_notes(args.run_dir, args.format, written, latency_table=args.latency_table):
         print(line)
 
 
@@ -175,6 +192,16 @@ def _version() -> str:
         return version("draftsmith")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
+
+
+def _num_draft(text: str) -> int | str:
+    """--num-draft: a whole number, or `auto`."""
+    return "auto" if text == "auto" else int(text)
+
+
+def _int_list(text: str) -> list[int]:
+    """`256,1024` -> [256, 1024] (argparse shows a ValueError as its own one line)."""
+    return [int(part) for part in text.split(",") if part.strip()]
 
 
 def _recipe_default(key: str) -> str:
@@ -228,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="a model folder, a config.json, or a hub name")
     p.add_argument("--tile", type=int, default=128, help="rows of the verify kernel's tile (default 128)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--measure", action="store_true",
+                   help="time the target's verify forward for 1 + d query tokens on this device (d = 0 to past the "
+                        "tile rule's D) at a few context lengths; writes latency.json and latency.png to --out")
+    p.add_argument("--out", default=None, help="--measure: the latency table's folder (default: none, required "
+                                               "with --measure)")
+    p.add_argument("--contexts", type=_int_list, default=None, metavar="N,N,...",
+                   help="--measure: KV-cache lengths (default: 256,1024,4096 where the target's context allows)")
+    p.add_argument("--max-draft", type=int, default=None,
+                   help="--measure: the largest d timed (default: the tile rule's D + 8)")
+    p.add_argument("--reps", type=int, default=5, help="--measure: timed forwards per point, median (default 5)")
+    p.add_argument("--device", default=None, help="--measure: cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.set_defaults(handler=_plan)
 
     p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
@@ -253,8 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of mass p (1: all) "
                    + _recipe_default("eval.top_p"))
     p.add_argument("--seed", type=int, default=None, help="seed of the sampled decodes " + _recipe_default("eval.seed"))
-    p.add_argument("--num-draft", type=int, default=None,
-                   help="drafts per verify (default eval.num_draft; -1: the tile rule's D)")
+    p.add_argument("--num-draft", type=_num_draft, default=None, metavar="N|auto",
+                   help="drafts per verify (default eval.num_draft; -1: the tile rule's D; auto: per drafter, the D "
+                        "that maximises expected tokens/s from its acceptance on a calibration split and the "
+                        "verify latency table, capped by the tile rule on GPUs)")
+    p.add_argument("--latency-table", default=None, metavar="DIR|FILE",
+                   help="--num-draft auto: a `draftsmith plan TARGET --measure` table of this device (default: "
+                        "none, eval measures one first)")
+    p.add_argument("--calibration-prompts", type=int, default=4,
+                   help="--num-draft auto: prompts, disjoint from the evaluated ones, that calibrate each drafter")
     p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
     p.add_argument("--tile", type=int, default=None, help="rows of the verify kernel's tile; sizes the tile rule's D "
                    + _recipe_default("target.tile"))
@@ -275,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the folder to write (whole or not at all)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="weights and torch_dtype of the export (default: the target's dtype)")
+    p.add_argument("--latency-table", default=None, metavar="DIR|FILE",
+                   help="a `draftsmith plan TARGET --measure` table of the serving device: the printed EAGLE-3 chain "
+                        "length then maximises expected tokens/s with the run's validation acceptance, and a "
+                        "DSpark SGLang export gets SGLang's steps-per-second table from it (default: none, the "
+                        "references' 3 steps, no cost table)")
     p.set_defaults(handler=_export)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True,
@@ -410,9 +460,28 @@ def add_verbosity(parser: argparse.ArgumentParser) -> None:
                     todo.append(sub)
 
 
+def check_working_dir() -> None:
+    """Refuse to run from a working directory that was deleted: transformers resolves paths
+    against it on import (a FileNotFoundError traceback), and a relative path given, or a
+    recipe default such as runs/default, would mean nothing. Going elsewhere silently would
+    give those paths another meaning, so it is one line instead."""
+    import os
+
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise DraftsmithError("the working directory no longer exists (deleted while this shell was in it): "
+                              "cd to an existing folder and run again") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     from draftsmith.logs import setup_logging
 
+    try:
+        check_working_dir()
+    except DraftsmithError as exc:
+        print(f"draftsmith: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     add_verbosity(parser)
     args, extra = parser.parse_known_args(argv)
@@ -439,11 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         print("draftsmith: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a full disk where no writer of ours said what it kept
-        from draftsmith.fsutil import full_disk_reason, is_disk_full
+        from draftsmith.fsutil import full_disk_reason, is_disk_full, write_failure
 
         if not is_disk_full(exc):
             raise
-        print(f"draftsmith: error: the disk is full ({full_disk_reason(exc)}); the files finished before "
+        print(f"draftsmith: error: {write_failure(exc)} ({full_disk_reason(exc)}); the files finished before "
               "are intact (each is written whole or not at all)", file=sys.stderr)
         return 2
     return status or 0

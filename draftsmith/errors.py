@@ -11,12 +11,14 @@ class DraftsmithError(Exception):
 
 
 class DiskFull(DraftsmithError):
-    """A write that ran out of space, said in one line with what was kept; `reason` is the
-    system's words, for an outer writer to restate the failure for the file it was writing."""
+    """A write the system refused (out of space, past the file-size limit, a read-only file
+    system, a failing device), said in one line with what was kept; `reason` is the system's
+    words and `failure` ours ("the disk is full"), for an outer writer to restate the failure
+    for the file it was writing."""
 
-    def __init__(self, message: str, reason: str = "no space left on device"):
+    def __init__(self, message: str, reason: str = "no space left on device", failure: str = "the disk is full"):
         super().__init__(message)
-        self.reason = reason
+        self.reason, self.failure = reason, failure
 
 
 def first_lines(exc: BaseException, count: int = 2) -> str:

@@ -46,3 +46,20 @@ def seed(value: int, key: str) -> int:
     if not low <= value <= high:
         raise DraftsmithError(f"{key}: must be between {low} and 2**32 - 1, got {value}")
     return value
+
+
+def positive(values: dict, keys: tuple[str, ...], prefix: str = "method", low: int = 1) -> None:
+    """Each of `keys` that `values` holds (None: derived later) is at least `low`: a size or a
+    count of a config, checked where it is declared, in one line naming the recipe key (a
+    negative width would otherwise reach torch as "negative dimension")."""
+    for key in keys:
+        value = values.get(key)
+        if value is not None and not isinstance(value, bool) and isinstance(value, (int, float)) and value < low:
+            raise DraftsmithError(f"{prefix}.{key}: must be at least {low}, got {value}")
+
+
+def divides(values: dict, whole: str, part: str, why: str, prefix: str = "method") -> None:
+    """`values[part]` divides `values[whole]` where both are known; `why` says what needs it."""
+    a, b = values.get(whole), values.get(part)
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and a % b:
+        raise DraftsmithError(f"{prefix}.{part}={b} does not divide {prefix}.{whole}={a} ({why})")

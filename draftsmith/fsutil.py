@@ -14,25 +14,48 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from draftsmith.errors import DiskFull, DraftsmithError
 
-# How a full disk reads: the OS's errors, and torch.save's (its zip writer reports a short
-# write as a RuntimeError: "unexpected pos ...", "file write failed").
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+# Writes the system refuses for the destination, not for our data: out of space or quota, past
+# the file-size limit (`ulimit -f`: EFBIG, Python ignores SIGXFSZ), a read-only file system,
+# a failing device. Each is one line saying what was kept, as a full disk is.
+_WRITE_FAILURES = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                   errno.EFBIG: "the file is past the file-size limit", errno.EROFS: "the file system is read-only",
+                   errno.EIO: "the device reported an I/O error"}
+# torch.save's zip writer reports a short write as a RuntimeError ("unexpected pos ...", "file write
+# failed"); safetensors' writer as a SafetensorError ending in "(os error N)".
 _FULL_WORDS = ("unexpected pos", "file write failed", "no space left", "disk quota")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _failure_errno(exc: BaseException) -> int | None:
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = _OS_ERROR.search(str(exc))
+    return int(found.group(1)) if found else None
 
 
 def is_disk_full(exc: BaseException) -> bool:
+    """Whether `exc` is a write the system refused (`_WRITE_FAILURES`), from any library."""
     if isinstance(exc, DiskFull):
         return True
-    if isinstance(exc, OSError):
-        return exc.errno in _FULL
+    if _failure_errno(exc) in _WRITE_FAILURES:
+        return True
     return isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _FULL_WORDS)
+
+
+def write_failure(exc: BaseException) -> str:
+    """What refused the write, in words: "the disk is full", "... read-only", ..."""
+    if isinstance(exc, DiskFull):
+        return exc.failure
+    return _WRITE_FAILURES.get(_failure_errno(exc), "the disk is full")
 
 
 def full_disk_reason(exc: BaseException) -> str:
@@ -44,8 +67,8 @@ def full_disk_reason(exc: BaseException) -> str:
 
 def _disk_full(dest: Path, existed: bool, exc: BaseException) -> DiskFull:
     kept = f"the previous {dest} is intact" if existed else f"{dest} was not written"
-    return DiskFull(f"cannot write {dest}: the disk is full ({full_disk_reason(exc)}); {kept}",
-                    reason=full_disk_reason(exc))
+    return DiskFull(f"cannot write {dest}: {write_failure(exc)} ({full_disk_reason(exc)}); {kept}",
+                    reason=full_disk_reason(exc), failure=write_failure(exc))
 
 
 def _umask() -> int:
@@ -168,11 +191,37 @@ def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
         raise
 
 
+_NODE_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_output(out: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse an output path that is not ours to replace, before any work is done. Every output
+    is renamed into place, and a rename replaces the name, not what it names: a symbolic link
+    would become our file (refused, naming where it points, so the user can give that path),
+    and a device, FIFO or socket would be replaced by a regular file (as root, `--out /dev/full`
+    replaced the system's device)."""
+    out = Path(out)
+    if out.is_symlink():
+        raise DraftsmithError(f"{flag} {out} is a symbolic link (to {os.readlink(out)}); writing it would replace "
+                              "the link, not what it points to: give the path it points to, or a new one")
+    try:
+        mode = out.stat().st_mode
+    except OSError:  # absent (or under something that is no folder: the write names that)
+        return
+    kind = next((name for test, name in _NODE_KINDS if test(mode)), None)
+    if kind is not None:
+        raise DraftsmithError(f"{flag} {out} is {kind}, not a regular file or folder; writing it would replace it: "
+                              "give the path of a new file")
+
+
 def check_not_an_input(out: str | os.PathLike, inputs: dict[str, str | os.PathLike | None],
                        flag: str = "--out", folder: bool = False) -> None:
     """Refuse an output path that is one of the command's inputs (writing it would replace
-    what it reads), or a folder where a file is meant, before any work is done."""
+    what it reads), no regular file or folder (`check_output`), or a folder where a file is
+    meant, before any work is done."""
     out = Path(out)
+    check_output(out, flag)
     for name, source in inputs.items():
         if not source or not (Path(source).exists() or Path(source).is_symlink()):
             continue  # a hub name or nothing: not a file here
@@ -198,9 +247,29 @@ def folder_lock(folder: str | os.PathLike, what: str = "folder") -> Iterator[int
     The lock is an flock on the file (released by the kernel when its holder dies, even by
     kill -9), and the file records the holder's pid for the message. Yields the pid of an
     ended holder whose lock was taken over (None when the lock was free)."""
+    with _lock_file(Path(folder) / ".lock", f"{what} {folder}", "folder") as ended:
+        yield ended
+
+
+@contextlib.contextmanager
+def output_lock(out: str | os.PathLike, flag: str = "--out") -> Iterator[int | None]:
+    """`folder_lock` for an output that is replaced whole (a file, a report or export folder):
+    the lock file sits beside it, `.NAME.lock`, since a lock inside a folder would be renamed
+    away with the folder it guards. Under `accelerate launch` only the main process (RANK 0)
+    holds it: the others write their shares for it to merge."""
+    out = Path(out)
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield None
+        return
+    path = ensure_writable_dir(out.parent) / f".{out.name}.lock"
+    with _lock_file(path, f"{flag} {out}", "path") as ended:
+        yield ended
+
+
+@contextlib.contextmanager
+def _lock_file(path: Path, what: str, other: str) -> Iterator[int | None]:
     import fcntl
 
-    path = Path(folder) / ".lock"
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, user_mode())
         try:
@@ -208,8 +277,8 @@ def folder_lock(folder: str | os.PathLike, what: str = "folder") -> Iterator[int
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise FolderInUse(f"{what} {folder} is in use by process {holder} (its lock file {path}); "
-                              "wait for it to end or choose another folder") from None
+            raise FolderInUse(f"{what} is in use by process {holder} (its lock file {path}); "
+                              f"wait for it to end or choose another {other}") from None
         # The holder before us may have removed the file after we opened it: lock the file
         # that is at the path now, or two processes would each hold a lock of their own.
         with contextlib.suppress(FileNotFoundError):
@@ -231,6 +300,7 @@ def check_replaceable(dest: str | os.PathLike, marker: str, what: str) -> None:
     """Refuse an --out that writing `what` there would destroy: only an absent or empty
     folder, or a previous `what` (a folder holding `marker`), may be replaced, as a whole."""
     dest = Path(dest)
+    check_output(dest)
     if not (dest.exists() or dest.is_symlink()):
         return
     if not dest.is_dir() or dest.is_symlink():
@@ -238,6 +308,28 @@ def check_replaceable(dest: str | os.PathLike, marker: str, what: str) -> None:
     if any(dest.iterdir()) and not (dest / marker).is_file():
         raise DraftsmithError(f"--out {dest} is a folder that holds no {marker} (not a previous {what}); "
                               "refusing to replace it: give a new folder")
+
+
+def open_safetensors(path: str | os.PathLike, remedy: str = ""):
+    """safetensors' `safe_open` of `path` (use it with `with`, or keep it open): the one reader
+    of every safetensors file we read. A missing, truncated or damaged file is one line naming
+    it (and `remedy`, what to do about it), not the library's error."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise DraftsmithError(f"{path} not found" + (f"; {remedy}" if remedy else ""))
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise DraftsmithError(f"{path} is truncated or damaged ({reason})" + (f"; {remedy}" if remedy else "")) from None
+
+
+def read_safetensors(path: str | os.PathLike, remedy: str = "") -> dict:
+    """Every tensor of a safetensors file, read through `open_safetensors`."""
+    with open_safetensors(path, remedy) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
 
 
 def write_json(dest: str | os.PathLike, obj) -> None:

@@ -18,7 +18,7 @@ from typing import Any, Union
 import yaml
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import finite, option, seed
+from draftsmith.fields import divides, finite, option, seed
 from draftsmith.registry import METHODS, config_class
 
 
@@ -45,8 +45,9 @@ class TargetSection:
 
 @dataclass
 class DataSection:
-    dataset: str = option("embedded", '"embedded" (the stdlib corpus), a local json/jsonl/parquet/txt file, '
-                                      'a dataset folder, or a hub name')
+    dataset: str = option("embedded", '"embedded" (the stdlib corpus), "stdlib-instructions" (instructions about '
+                                      'its excerpts, for an instruct target to answer), a local '
+                                      'json/jsonl/parquet/txt file, a dataset folder, or a hub name')
     text_field: str = option("", 'column of a plain-text corpus; empty: guessed')
     tokenizer: str = option("", "empty: the target's own, or one trained on the embedded corpus")
     vocab_size: int = option(2048, 'vocabulary of the tokenizer trained for the embedded default')
@@ -56,7 +57,7 @@ class DataSection:
                                     "the run is train.max_steps long")
     heldout_rows: int = option(256, "data.streaming: the corpus's first rows of train.seq_len tokens, held out "
                                     "for validation and never trained on")
-    num_conversations: int = option(256, 'post-hoc methods on the embedded default: prompts to regenerate')
+    num_conversations: int = option(256, 'post-hoc methods on "embedded" or "stdlib-instructions": prompts to regenerate')
     prompt_chars: int = option(384, '... each an excerpt of this many characters (keep within train.seq_len)')
     regenerate: bool = option(True, 'post-hoc methods: answer the prompts with the target itself')
     regen_max_new_tokens: int = option(96, "regeneration: longest answer the target writes")
@@ -106,6 +107,10 @@ class TrainSection:
     clip: float = option(1.0, "gradient norm clip")
     seed: int = option(0, "seed of initialisation, data order and regeneration")
     resume: bool | str = option(False, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
+    resume_changes: str = option("refuse", "a resume whose recipe changes the data, shapes or trajectory of the run "
+                                           "it continues (seq_len, batch, accumulation, seed, lr, method, target, "
+                                           "data): refuse, or allow (the change is recorded in run.json with the "
+                                           "step it took effect)")
     overwrite: bool = option(False, "true: a fresh run replaces the run output_dir holds (its checkpoints, model "
                                     "and metrics); false: such a folder is refused")
     mixed_precision: str = option("auto", 'auto (bf16 where the device has it), no, bf16, fp16')
@@ -368,6 +373,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
 
 
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+RESUME_CHANGES = ("refuse", "allow")
 
 
 def validate(recipe: Recipe) -> None:
@@ -382,7 +388,7 @@ def validate(recipe: Recipe) -> None:
         "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.lr": (t.lr, 0), "train.clip": (t.clip, 0),
         "train.weight_decay": (t.weight_decay, 0), "target.num_layers": (target.num_layers, 1),
         "target.hidden_size": (target.hidden_size, 1), "target.num_heads": (target.num_heads, 1),
-        "target.num_kv_heads": (target.num_kv_heads, 1),
+        "target.num_kv_heads": (target.num_kv_heads, 1), "target.intermediate_size": (target.intermediate_size, 0),
         "target.max_position_embeddings": (target.max_position_embeddings, 1),
         "target.rope_theta": (target.rope_theta, 0), "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
     }
@@ -392,6 +398,14 @@ def validate(recipe: Recipe) -> None:
     for key, (value, low) in at_least.items():
         if value < low:
             raise DraftsmithError(f"{key}: must be at least {low}, got {value}")
+    if not target.path:  # the tiny target is built from these fields: its transformers config needs them whole
+        divides(vars(target), "hidden_size", "num_heads", "the tiny target's heads split its width", prefix="target")
+        divides(vars(target), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
+                prefix="target")
+    # The method's own shape rules, where its config declares them (models/<method>.py: check_params).
+    check = getattr(config_class(recipe.method.name), "check_params", None)
+    if check is not None:
+        check(recipe.method.params, seq_len=t.seq_len)
     if t.keep_checkpoints == 1:  # a failed save must leave the previous checkpoint behind
         raise DraftsmithError("train.keep_checkpoints: 1 would leave no whole checkpoint while the next is written "
                               "(accelerate deletes the oldest first); give 2 or more, or 0 for all")
@@ -433,6 +447,9 @@ def validate(recipe: Recipe) -> None:
                               f"recipe; target {target.path} has its own (remove the keys)")
     if isinstance(t.resume, str) and not t.resume:
         raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
+    if t.resume_changes not in RESUME_CHANGES:
+        raise DraftsmithError(f"train.resume_changes: expected one of {', '.join(RESUME_CHANGES)}, "
+                              f"got {t.resume_changes!r}")
 
 
 def dump_recipe(recipe: Recipe) -> str:

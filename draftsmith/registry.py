@@ -51,6 +51,9 @@ class MethodSpec:
     # Folders other tools write that `eval --drafter NAME:DIR` reads, told apart by their
     # config's architectures[0]: architecture -> layout (models/layouts.py routes by it).
     foreign_layouts: dict[str, str] = field(default_factory=dict)
+    # The `speculators_model_type` of the folders vLLM's `speculators` library writes for this
+    # method (models/speculators_format.py reads and writes them; models/layouts.py routes by it).
+    speculators_type: str = ""
     # Options `eval` sets per run for every drafter of this method (variants included).
     decode_options: tuple[DecodeOption, ...] = ()
     # train.* values as the method's reference sets them, where they differ from the schema's
@@ -101,11 +104,13 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
         exports={"sglang": "draftsmith.models.export_eagle3:export_sglang",
-                 "vllm": "draftsmith.models.export_eagle3:export_vllm", "native": _NATIVE_EXPORT},
+                 "vllm": "draftsmith.models.export_eagle3:export_vllm",
+                 "speculators": "draftsmith.models.speculators_format:export_eagle3", "native": _NATIVE_EXPORT},
         variants={"eagle3_tree": {"tree": True},
                   # EAGLE-2 as published: top-k children under sampling too (an ablation)
                   "eagle3_tree_topk": {"tree": True, "sampled_children": False}},
         foreign_layouts={"LlamaForCausalLMEagle3": "sglang/vllm"},  # SpecForge writes it too
+        speculators_type="eagle3",
     ),
     MethodSpec(
         "dflash", "DFlash: a block-diffusion drafter filling a block of masks in one forward",
@@ -113,8 +118,10 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         config="draftsmith.models.dflash:DFlashConfig", model="draftsmith.models.dflash:DFlashDrafter",
         training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
-        exports={"zlab": "draftsmith.models.export_dflash:export_zlab", "native": _NATIVE_EXPORT},
+        exports={"zlab": "draftsmith.models.export_dflash:export_zlab",
+                 "speculators": "draftsmith.models.speculators_format:export_dflash", "native": _NATIVE_EXPORT},
         foreign_layouts={"DFlashDraftModel": "zlab"},  # z-lab and SpecForge
+        speculators_type="dflash",
     ),
     MethodSpec(
         "dspark", "DSpark: DFlash's backbone plus a light serial refiner and a confidence head",
@@ -126,8 +133,10 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         exports={"sglang": "draftsmith.models.export_dflash:export_qwen3_dspark",
                  "vllm": "draftsmith.models.export_dflash:export_qwen3_dspark",
                  "deepspec": "draftsmith.models.export_dflash:export_qwen3_dspark",
-                 "specforge": "draftsmith.models.export_dflash:export_specforge", "native": _NATIVE_EXPORT},
+                 "specforge": "draftsmith.models.export_dflash:export_specforge",
+                 "speculators": "draftsmith.models.speculators_format:export_dspark", "native": _NATIVE_EXPORT},
         foreign_layouts={"DSparkDraftModel": "specforge", "Qwen3DSparkModel": "deepspec"},
+        speculators_type="dspark",  # both block conventions (sample_from_anchor states which)
         decode_options=(DecodeOption(
             "confidence_threshold", metavar="C", check="draftsmith.models.dspark:check_threshold",
             help="dspark: end a draft before the first position whose confidence is below C, in [0, 1] "

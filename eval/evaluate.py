@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.auto_draft import AUTO, CALIBRATION_PROMPTS
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.proposers import parse_drafter_arg, proposer_from_arg
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
@@ -31,10 +32,12 @@ from draftsmith.eval.report import (
     setting_label,
     setting_name,
     speedup_bound,
+    temperature_label,
     write_index,
     write_report,
 )
 from draftsmith.fsutil import atomic_dir
+from draftsmith.models.latency import PAST_TILE
 from draftsmith.models.target import find_model_dir
 from draftsmith.models.tile import plan_tile, read_target_config
 
@@ -48,7 +51,9 @@ class EvalSettings:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    num_draft: int | None = None  # None: the tile rule
+    num_draft: int | str | None = None  # None: the tile rule; "auto": per drafter, eval/auto_draft.py
+    latency_table: str = ""  # --num-draft auto: a `plan --measure` folder or latency.json ("" : measured here)
+    calibration_prompts: int = CALIBRATION_PROMPTS  # --num-draft auto: prompts that calibrate each drafter
     tile: int = 128
     prompt_chars: int = 400  # embedded prompts: characters of held-out source per prompt
     drafters: list[str] = field(default_factory=list)
@@ -180,31 +185,44 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     if settings.max_new_tokens < 1 or settings.num_prompts < 1:
         raise DraftsmithError(f"eval: --max-new-tokens ({settings.max_new_tokens}) and --num-prompts "
                               f"({settings.num_prompts}) must be at least 1")
-    if settings.num_draft is not None and settings.num_draft < 1:
+    auto = settings.num_draft == AUTO
+    if auto and settings.calibration_prompts < 1:
+        raise DraftsmithError(f"eval: --calibration-prompts must be at least 1, got {settings.calibration_prompts}")
+    if not auto and settings.latency_table:
+        raise DraftsmithError("eval: --latency-table prices the passes of --num-draft auto; give both or neither")
+    if not auto and settings.num_draft is not None and settings.num_draft < 1:
         raise DraftsmithError(f"eval: --num-draft must be at least 1, or -1 for the tile rule; got {settings.num_draft}")
     for arg in settings.drafters:
         parse_drafter_arg(arg)
+    labels: dict[str, float] = {}
     for t in settings.temperatures:
         SamplingParams(t, settings.top_k, settings.top_p)  # validates
+        label = temperature_label(t)
+        if label in labels:  # its report would replace the first's
+            raise DraftsmithError(f"eval: --temperature {labels[label]:g} and --temperature {t!r} are one setting "
+                                  f"(report folder {label}): give each temperature once")
+        labels[label] = t
     folder = find_model_dir(target_path, require="target")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(folder, device=device)
     tokenizer = load_pretrained_tokenizer(folder)
     check_fits(tokenizer, target.get_input_embeddings().num_embeddings, folder, folder)
     plan = plan_tile(read_target_config(folder), tile=settings.tile)
-    num_draft = plan.D if settings.num_draft is None else settings.num_draft
+    # auto: room for the largest D the choice may return (eval/auto_draft.py caps it there)
+    num_draft = plan.D + PAST_TILE if auto else plan.D if settings.num_draft is None else settings.num_draft
     # A verify pass writes num_draft positions past the last committed token.
     context = target.config.max_position_embeddings - num_draft
     source, eos = _source(target, tokenizer, settings, context)
+    auto_plan = _plan_auto(target, plan, settings, source, tokenizer, context, num_draft) if auto else None
     proposers = [proposer_from_arg(arg, target, settings.proposer_options)  # fail before any decoding
                  for arg in settings.drafters]
 
     runs = []
     for temperature in settings.temperatures:
         sampling = SamplingParams(temperature, settings.top_k, settings.top_p)
-        results = _run(target, proposers, source, settings, sampling, num_draft, eos)
+        results = _run(target, proposers, source, settings, sampling, num_draft, eos, auto_plan)
         results["target"] = {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile,
-                             "D": num_draft}
+                             "D": plan.D if auto else num_draft}
         runs.append(results)
     if len(runs) == 1:
         write_report(runs[0], out_dir)
@@ -214,6 +232,19 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
                 write_report(results, tmp / setting_label(results))
             write_index([(setting_label(r), r) for r in runs], tmp)
     return runs
+
+
+def _plan_auto(target, plan, settings: EvalSettings, source, tokenizer, context: int, room: int):
+    """The calibration prompts and the latency table of --num-draft auto (eval/auto_draft.py)."""
+    import logging
+
+    from draftsmith.eval.auto_draft import calibration_prompts, plan_auto
+
+    prompts, split = calibration_prompts(settings, source, tokenizer, context)
+    log = logging.getLogger(__name__)
+    auto = plan_auto(target, plan, prompts, split, settings.max_new_tokens, settings.latency_table, log.info)
+    auto.cap = min(auto.cap, room)
+    return auto
 
 
 def _source(target, tokenizer, settings: EvalSettings, context: int):
@@ -235,8 +266,10 @@ def _source(target, tokenizer, settings: EvalSettings, context: int):
 
 
 def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingParams, num_draft: int,
-         eos: tuple[int, ...] | None = None) -> dict:
-    """Plain decoding, then each drafter, on the same prompts with the same settings."""
+         eos: tuple[int, ...] | None = None, auto=None) -> dict:
+    """Plain decoding, then each drafter, on the same prompts with the same settings. With
+    `auto` (eval/auto_draft.py: AutoPlan) each drafter's D is chosen first; `num_draft` is
+    then the most any may get."""
     conversations = source if isinstance(source, Conversations) else None
     first = conversations.prompt(conversations.turns[0][0], settings, "conversation 0 turn 1") \
         if conversations else source[0]
@@ -265,7 +298,15 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
     rows, outputs = [], {"baseline": base_out}
     unique = len({p.name for p in proposers}) == len(proposers)
     for arg, proposer in zip(settings.drafters, proposers):
-        decoder = SpeculativeDecoder(target, proposer, num_draft=num_draft, **cache)
+        chosen, auto_row = num_draft, None
+        if auto is not None:
+            from draftsmith.eval.auto_draft import choose
+
+            calibrating = proposer_from_arg(arg, target, settings.proposer_options)  # its own counters
+            plain_host = _per_pass_ms(base_stats, base_stats.other_s)
+            chosen, auto_row = choose(lambda d: SpeculativeDecoder(target, calibrating, num_draft=d, **cache),
+                                      auto, sampling, settings.seed, plain_host)
+        decoder = SpeculativeDecoder(target, proposer, num_draft=chosen, **cache)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)
         runs, out = decode_prompts(decoder, prompts, settings, sampling, f"{arg} t={sampling.temperature:g}")
@@ -279,7 +320,7 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
         t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
         row = {
             "name": proposer.name if unique else arg,
-            "drafter": arg, "num_draft": num_draft, "tau": stats.tau,
+            "drafter": arg, "num_draft": chosen, "tau": stats.tau,
             "tau_no_loop": no_loop.tau if no_loop is not None else None,
             "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
@@ -291,6 +332,8 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
         extra = getattr(proposer, "report_extra", None)
         if callable(extra):
             row["extra"] = extra()
+        if auto_row is not None:
+            row["num_draft_auto"] = auto_row
         rows.append(row)
         outputs[row["name"]] = out
         steps[row["name"]] = [[r.committed, r.verify_passes] for r in runs]
@@ -299,7 +342,7 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
     if conversations:  # how the prompts were rendered: what a published table must match
         chat = {"conversations": len(conversations.turns), "chat_template": settings.chat_template or "the tokenizer's",
                 "enable_thinking": conversations.template_kwargs.get("enable_thinking")}
-    return {
+    results = {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                      "seed": settings.seed, "cache": settings.cache, "compile": settings.compile, **chat},
@@ -310,6 +353,9 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
                      "loops": looping[i], "steps": {name: s[i] for name, s in steps.items()}}
                     for i, p in enumerate(prompts)],
     }
+    if auto is not None:
+        results["num_draft_auto"] = auto.describe()
+    return results
 
 
 def print_summary(runs: list[dict], out_dir) -> None:

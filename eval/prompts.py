@@ -70,12 +70,13 @@ def benchmark_turns(name: str, limit: int) -> list[list[str]]:
 def eval_conversations(dataset: str, limit: int) -> list[EvalConversation]:
     """The user side of the first `limit` conversations of `dataset`: a benchmark name
     (`BENCHMARKS`), or a file, folder or hub dataset data/conversations.py reads."""
-    from draftsmith.data.conversations import load_conversations
+    from draftsmith.data.conversations import STDLIB_INSTRUCTIONS, load_conversations
     from draftsmith.data.regen_server import user_turns
 
     if dataset in BENCHMARKS:
         return [[[{"role": "user", "content": text}] for text in turns] for turns in benchmark_turns(dataset, limit)]
-    conversations = load_conversations(dataset, limit=limit)
+    # The built-in instructions are evaluated on the corpus's held-out modules, never those trained on.
+    conversations = load_conversations(dataset, limit=limit, split="test" if dataset == STDLIB_INSTRUCTIONS else "")
     out = []
     for index, messages in enumerate(conversations):
         try:

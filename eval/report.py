@@ -51,6 +51,7 @@ PLOTS = {
     "speedup.png": "measured speedup beside its bound",
     "accepted_lengths.png": "accepted drafts per verify pass",
 }
+AUTO_PLOT = "num_draft.png"  # with --num-draft auto: expected tokens/s against d, per drafter
 TAU_NOTE = (
     "tau counts the bonus token: it is committed tokens per target verify pass, so plain "
     "decoding scores 1.00 (the EAGLE, SGLang, SpecForge and Spec-Bench convention); "
@@ -79,9 +80,17 @@ def distinct_4gram_ratio(outputs: list[list[int]]) -> float:
     return sum(ratios) / len(ratios) if ratios else float("nan")
 
 
+def temperature_label(temperature: float) -> str:
+    """The folder name of one temperature's report: t0, t0.7, ... in the exact value, so two
+    settings never share a folder (`:g` printed 1e-7 and 1.0000001e-7 both as t1e-07)."""
+    value = float(temperature) + 0.0  # -0.0 is 0.0
+    short = f"{value:g}"
+    return f"t{short if float(short) == value else repr(value)}"
+
+
 def setting_label(results: dict) -> str:
-    """The folder name of one setting's report: t0, t0.7, ..."""
-    return f"t{results['settings']['temperature']:g}"
+    """The folder name of one setting's report (`temperature_label`)."""
+    return temperature_label(results["settings"]["temperature"])
 
 
 def setting_name(settings: dict) -> str:
@@ -133,6 +142,8 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
         bounds = [_bound(d, results["baseline"]) for d in results["drafters"]]
         _plot_speedup(results["drafters"], bounds, tmp / "speedup.png")
         _plot_accepted_lengths(results["drafters"], tmp / "accepted_lengths.png")
+        if any("num_draft_auto" in d for d in results["drafters"]):
+            _plot_num_draft(results["drafters"], tmp / AUTO_PLOT)
     return out_dir
 
 
@@ -283,7 +294,7 @@ def _markdown(results: dict) -> str:
         "![histogram of accepted drafts](accepted_lengths.png)",
         "",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _auto_section(results))
 
 
 # Plots draw on a bare Figure: it renders with Agg and touches no pyplot global state,
@@ -352,3 +363,47 @@ def _plot_accepted_lengths(drafters: list[dict], path: Path) -> None:
     ax.set(xlabel="drafts accepted in one verify pass", ylabel="fraction of verify passes")
     ax.legend()
     _save(fig, path, PLOTS[path.name])
+
+
+# ---- --num-draft auto (eval/auto_draft.py): why each drafter got its D ------------------
+
+def _auto_section(results: dict) -> list[str]:
+    rows = [d for d in results["drafters"] if "num_draft_auto" in d]
+    if not rows:
+        return []
+    how = results.get("num_draft_auto") or {}
+    table = how.get("latency_table") or {}
+    lines = ["## Draft length per drafter (--num-draft auto)", "",
+             f"Calibrated on {how.get('calibration', 'a calibration split')}: acceptance measured there at D = "
+             f"{how.get('cap')} (the most the choice may give; tile rule D = {how.get('tile_rule_D')}), drafter and "
+             f"host time at D = 1 and D = {how.get('cap')}, the verify pass from the latency table "
+             f"({table.get('source', '?')}: {table.get('device', '?')}, {table.get('dtype', '?')}, "
+             f"{table.get('attention', '?')}) at context {how.get('context', 0):.0f}. D maximises expected tokens/s "
+             "= E(d) / T(d), E(d) = 1 + sum_{k<=d} a_k, T(d) = T_verify(d) + T_draft(d) + host.", "",
+             "| drafter | chosen D | predicted tokens/s | tile rule D | predicted tokens/s at it | measured tokens/s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for d in rows:
+        auto = d["num_draft_auto"]
+        curve = {p["d"]: p for p in auto["curve"]}
+        at = lambda k: f"{curve[k]['tokens_per_s']:.1f}" if k in curve else "-"  # noqa: E731
+        lines.append(f"| {d['name']} | {auto['chosen']} | {at(auto['chosen'])} | {auto['tile_rule_D']} | "
+                     f"{at(auto['tile_rule_D'])} | {d['tokens_per_s']:.1f} |")
+    return lines + ["", f"![expected tokens/s against drafts]({AUTO_PLOT})", ""]
+
+
+def _plot_num_draft(drafters: list[dict], path: Path) -> None:
+    fig, ax = _figure(integer_x=True)
+    for d in drafters:
+        auto = d.get("num_draft_auto")
+        if not auto or not auto["curve"]:
+            continue
+        xs = [p["d"] for p in auto["curve"]]
+        line, = ax.plot(xs, [p["tokens_per_s"] for p in auto["curve"]], label=d["name"])
+        best = next(p for p in auto["curve"] if p["d"] == auto["chosen"])
+        ax.plot([best["d"]], [best["tokens_per_s"]], marker="o", color=line.get_color())
+    tile = next((d["num_draft_auto"]["tile_rule_D"] for d in drafters if d.get("num_draft_auto")), None)
+    if tile is not None:
+        ax.axvline(tile, color="grey", linestyle="--", label=f"tile rule D = {tile}")
+    ax.set(xlabel="drafts per verify d", ylabel="expected tokens/s (calibration)", ylim=(0, None))
+    ax.legend()
+    _save(fig, path, "expected tokens/s against d (dot: the chosen D)")

@@ -40,7 +40,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option
+from draftsmith.fields import divides, option, positive
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
@@ -49,6 +49,9 @@ from draftsmith.models.tile import auto_block, plan_tile
 # Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
 # drafts). Keyed by drafts so that DSpark's convention gets the same decay per draft.
 _GAMMA_BY_DRAFTS = ((7, 4.0), (9, 5.0), (15, 7.0))
+
+
+POSITION_WEIGHTS = ("decay", "dpace")  # DFlashConfig.position_weights (`draft_weights`)
 
 
 def default_gamma(num_drafts: int) -> float:
@@ -159,6 +162,9 @@ class DFlashConfig:
         None, 'target layers read, "output of layer i", 0-based (None: num_context_layers spread over its depth)')
     mask_token_id: int | None = option(None, "token id of the block's mask slots (None: the target's, else the tokenizer's)")
     gamma: float | None = option(None, "loss decay over draft positions, exp(-(j-1)/gamma) (None: DFlash's, by drafts per block)")
+    position_weights: str = option("decay", "loss weight of draft j: decay, exp(-(j-1)/gamma); dpace, the acceptance "
+                                            "it carries by the drafter's own confidence (speculators' D-PACE)")
+    dpace_alpha: float = option(0.5, "D-PACE's confidence smoothing: (1 - alpha) * exp(-ce_j) + alpha, in (0, 1]")
     num_anchors: int = option(512, "blocks per sequence in one training pass")
     attention_backend: str = option("sdpa", "training attention: sdpa, flex, auto (models/attention.py)")
 
@@ -201,6 +207,31 @@ class DFlashConfig:
         config.check_tile(t, tile)
         return config
 
+    SIZES = ("hidden_size", "target_hidden_size", "num_target_layers", "vocab_size", "num_layers", "num_heads",
+             "num_kv_heads", "head_dim", "intermediate_size", "max_position_embeddings", "num_context_layers",
+             "num_anchors")
+
+    @classmethod
+    def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
+        """The recipe's method keys, alone, against the rows (`seq_len`) and (given the target's
+        config) against what the target fills in, before any data is prepared or a module
+        built: one line naming the key."""
+        values = {k: v for k, v in params.items() if v is not None}
+        if target_config is not None and "num_kv_heads" in values:
+            values.setdefault("num_heads", target_shape(target_config).num_heads)
+        positive(values, cls.SIZES)
+        divides(values, "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads")
+        gamma = values.get("gamma")
+        if gamma is not None and not gamma > 0:
+            raise DraftsmithError(f"method.gamma: the loss decay over draft positions must be positive, got {gamma}")
+        block = values.get("block_size")
+        # A block longer than a row never fits in one: its last drafts would never train (and
+        # their accuracy read 0), while decoding would draft them; refused, not warned about.
+        if isinstance(block, int) and seq_len is not None and block > seq_len:
+            raise DraftsmithError(f"method.block_size={block} is longer than the rows of train.seq_len={seq_len}: no "
+                                  f"block fits in a row, so drafts past position {seq_len - 1} would never train; give "
+                                  f"a block_size of at most {seq_len} (or longer rows)")
+
     def derive(self) -> "DFlashConfig":
         """Fill what follows from the rest, then refuse anything inconsistent (one line)."""
         missing = [f.name for f in dataclasses.fields(self)
@@ -208,6 +239,7 @@ class DFlashConfig:
         if missing:
             hint = " (the tokenizer's mask token)" if missing == ["mask_token_id"] else ""
             raise DraftsmithError(f"{type(self).__name__}: {', '.join(missing)} not set{hint}")
+        self.check_params(dataclasses.asdict(self))
         if isinstance(self.block_size, str):
             raise DraftsmithError(f"block_size {self.block_size!r} needs the target: build the config with from_target")
         if self.drafts_per_block < 1:
@@ -237,9 +269,11 @@ class DFlashConfig:
             raise DraftsmithError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
             )
-        if self.num_heads % self.num_kv_heads:
-            raise DraftsmithError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         check_backend(self.attention_backend)
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise DraftsmithError(f"position_weights {self.position_weights!r} is not one of {', '.join(POSITION_WEIGHTS)}")
+        if not 0.0 < self.dpace_alpha <= 1.0:  # also refuses NaN; at 0 the prefix products can vanish
+            raise DraftsmithError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.gamma is None:
             self.gamma = default_gamma(self.drafts_per_block)
         return self
@@ -428,9 +462,8 @@ class DFlashDrafter(nn.Module):
         # @ a6b6b02): every loss-masked draft inside the sequence, drafts past a gap in the
         # mask included, not only the prefix (DSpark keeps DeepSpec's prefix). The loss parity
         # test (tests/test_loss_parity.py) holds us to it.
-        weights = blocks.in_data * position_weights(self.drafts_per_block, self.config.gamma, logits.device)
-        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(weights)
-        loss = weighted_mean(ce, weights)
+        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(blocks.in_data)
+        loss = weighted_mean(ce, draft_weights(self.config, ce, blocks.in_data))
         metrics = {"ce": float(loss.detach()), **greedy_metrics(logits.argmax(-1), blocks),
                    **position_means("ce", ce, blocks.label_mask)}
         return loss, metrics
@@ -528,6 +561,27 @@ def position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor
     """exp(-(j - 1)/gamma) for drafts j = 1..num_drafts: later drafts matter less, since
     they only count when every earlier one was accepted."""
     return torch.exp(-torch.arange(num_drafts, device=device, dtype=torch.float32) / gamma)
+
+
+@torch.no_grad()
+def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE (speculators 0.9.0 losses/utils.py `dpace_loss_decay`; SpecForge 0.2.0
+    `OnlineDFlashModel._dpace_weight`): the expected acceptance a draft carries, from the
+    drafter's own smoothed confidence in the true token, s_j = (1 - alpha) * exp(-ce_j) +
+    alpha on drafts in `mask` and 1 elsewhere, as w_k = sum_{j >= k} m_j * prod_{i <= j} s_i:
+    a draft is worth every later accepted token that needs it right. Detached, as there.
+    ce and mask [..., drafts]; the weights of drafts outside `mask` are left to the caller."""
+    m = mask.float()
+    smooth = torch.where(m > 0, (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha, torch.ones_like(m))
+    return (smooth.cumprod(-1) * m).flip(-1).cumsum(-1).flip(-1)
+
+
+def draft_weights(config: DFlashConfig, ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The loss weight of each supervised draft (`mask` [..., drafts]) by
+    `config.position_weights`: DFlash's fixed decay, or D-PACE from the drafts' own ce."""
+    if config.position_weights == "dpace":
+        return mask * dpace_weights(ce, mask, config.dpace_alpha)
+    return mask * position_weights(config.drafts_per_block, config.gamma, ce.device)
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,14 @@ engines load it as a draft model as it is. Pretrained on the corpus; with
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith.fields import option
+from draftsmith.errors import DraftsmithError
+from draftsmith.fields import divides, option, positive
 
 
 @dataclass
@@ -24,6 +26,18 @@ class DraftLMConfig:
     intermediate_size: int = option(0, "MLP width (0: derived from hidden_size)")
     distill_weight: float = option(0.0, "weight of KL(target || draft) beside the LM loss (0: pretraining only)")
     distill_temperature: float = option(1.0, "softmax temperature of both distributions in the KL term")
+
+    @classmethod
+    def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
+        """Every size of the draft model against the others, before it is built: one line naming the key."""
+        values = {**{f.name: f.default for f in dataclasses.fields(cls)}, **params}
+        positive(values, ("num_layers", "hidden_size", "num_heads", "num_kv_heads"))
+        positive(values, ("intermediate_size", "distill_weight"), low=0)
+        # It is a transformers Llama model, whose config refuses such a width.
+        divides(values, "hidden_size", "num_heads", "the draft model is a Llama model")
+        divides(values, "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads")
+        if not values["distill_temperature"] > 0:
+            raise DraftsmithError(f"method.distill_temperature: must be positive, got {values['distill_temperature']}")
 
 
 def distill_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,

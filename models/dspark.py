@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option
+from draftsmith.fields import option, positive
 from draftsmith.models.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -74,6 +74,12 @@ class DSparkConfig(DFlashConfig):
     @property
     def first_prediction_slot(self) -> int:
         return 0 if self.block_convention == ANCHOR_IS_FIRST_PREDICTION else 1
+
+    @classmethod
+    def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
+        super().check_params(params, seq_len, target_config)
+        values = {k: v for k, v in params.items() if v is not None}
+        positive(values, ("markov_rank", "ce_weight", "tv_weight", "bce_weight"), low=0)
 
     def derive(self) -> "DSparkConfig":
         if self.block_convention not in BLOCK_CONVENTIONS:

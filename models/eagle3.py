@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option
+from draftsmith.fields import divides, option, positive
 from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
@@ -83,6 +83,24 @@ class Eagle3Config:
     ttt_decay: float = option(0.8, "loss weight of TTT step j is ttt_decay ** j")
     attention_backend: str = option("sdpa", "TTT attention: sdpa (dense mask), flex, auto (models/attention.py)")
 
+    SIZES = ("hidden_size", "target_hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+             "vocab_size", "draft_vocab_size", "max_position_embeddings", "ttt_length")
+
+    @classmethod
+    def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
+        """The recipe's method keys, alone and (given the target's config) with what the target
+        would fill in, before any data is prepared or a module built: one line naming the key."""
+        values = {k: v for k, v in params.items() if v is not None}
+        if target_config is not None:
+            shape = target_shape(target_config)
+            values = {"hidden_size": shape.hidden_size, "num_heads": shape.num_heads,
+                      "num_kv_heads": shape.num_kv_heads, **values}
+        positive(values, cls.SIZES)
+        # The draft layer is a transformers Llama layer, whose config refuses such a width.
+        divides(values, "hidden_size", "num_heads", "EAGLE-3's draft layer is a Llama layer; hidden_size is the "
+                                                    "target's unless set")
+        divides(values, "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads")
+
     @classmethod
     def from_target(cls, target, **overrides) -> "Eagle3Config":
         """A drafter as wide as the target (model or config); non-None overrides win."""
@@ -117,6 +135,7 @@ class Eagle3Config:
         missing = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
         if missing:
             raise DraftsmithError(f"{type(self).__name__}: {', '.join(missing)} not set (build it with from_target)")
+        self.check_params(dataclasses.asdict(self))
         ids = sorted(int(i) for i in self.target_layer_ids)
         if len(set(ids)) != NUM_FUSED_LAYERS or ids[0] < 0:
             raise DraftsmithError(
@@ -133,10 +152,6 @@ class Eagle3Config:
             raise DraftsmithError(
                 f"draft vocabulary of {self.draft_vocab_size} tokens does not fit "
                 f"the target vocabulary of {self.vocab_size}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise DraftsmithError(
-                f"EAGLE-3 num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
         if self.ttt_length < 1 or not 0.0 < self.ttt_decay <= 1.0:
             raise DraftsmithError(

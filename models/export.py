@@ -13,6 +13,7 @@ targets) unless `--dtype` names another; `serve.py` prints the command that serv
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from pathlib import Path
 
@@ -28,9 +29,11 @@ from draftsmith.registry import METHODS, import_ref
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None) -> Path:
+def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None,
+               latency_table: str | Path | None = None) -> Path:
     """Write the drafter of a training run (or a native drafter folder) in format `fmt`,
-    its weights in `dtype` (default: the target's)."""
+    its weights in `dtype` (default: the target's); a writer that writes a cost table from
+    `plan --measure`'s latency table (SGLang's DSpark) takes `latency_table`."""
     folder, method = _drafter_folder(run)
     formats = METHODS[method].exports if method in METHODS else {}
     if fmt not in formats:
@@ -38,18 +41,26 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
                               if formats else f"{run}: no export for method {method!r}")
     if dtype is not None and dtype not in DTYPES:
         raise DraftsmithError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    return import_ref(formats[fmt], f"--format {fmt}")(folder, out_dir, dtype)
+    writer = import_ref(formats[fmt], f"--format {fmt}")
+    if latency_table is not None and "latency_table" in inspect.signature(writer).parameters:
+        return writer(folder, out_dir, dtype, latency_table=latency_table)
+    return writer(folder, out_dir, dtype)
 
 
-def export_notes(run: str | Path, fmt: str, written: str | Path) -> list[str]:
+def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: str | Path | None = None) -> list[str]:
     """What `draftsmith export` prints after writing: a note where the layout keeps less than
-    the run trained, then the exact commands that serve the folder."""
+    the run trained, then the exact commands that serve the folder (an EAGLE-3 chain's length
+    from `latency_table` and the run's acceptance when both exist, models/latency.py)."""
     from draftsmith.models.serve import serve_commands
 
     folder, method = _drafter_folder(run)
     if fmt == "native":
         return []  # draftsmith's own: `eval --drafter METHOD:DIR` reads it
     notes = []
+    if fmt == "speculators":
+        from draftsmith.models.speculators_format import serve_note
+
+        notes += [note] if (note := serve_note(written)) else []
     if fmt == "specforge":
         notes.append("SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
                      "load --format sglang|vllm (Qwen3DSparkModel) instead")
@@ -62,7 +73,14 @@ def export_notes(run: str | Path, fmt: str, written: str | Path) -> list[str]:
         target = None
     else:
         target = target_dir_of(folder)
-    commands = serve_commands(method, written, target)
+    steps = None
+    if latency_table and method == "eagle3" and target is not None:
+        from draftsmith.models.latency import chain_steps
+        from draftsmith.models.tile import plan_tile, read_target_config
+
+        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target)).D)
+        notes.append(f"EAGLE-3 chain: {why}" if steps else f"EAGLE-3 chain: the references' length ({why})")
+    commands = serve_commands(method, written, target, steps)
     return notes + (["serve it with:", *(f"  {c}" for c in commands)] if commands else [])
 
 

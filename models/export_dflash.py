@@ -75,11 +75,11 @@ import torch
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, write_json
+from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models import zlab_modeling
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
 from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
-from draftsmith.models.layouts import NATIVE, expect
+from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
 from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
 DFLASH_ARCH = "DFlashDraftModel"
@@ -102,10 +102,14 @@ def export_specforge(folder: str | Path, out_dir: str | Path, dtype: str | None 
     return export_dspark_specforge(drafter, out_dir, _dtype(folder, dtype, drafter))
 
 
-def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | None = None,
+                        latency_table: str | Path | None = None) -> Path:
     """A native DSpark folder as `Qwen3DSparkModel` (`--format deepspec`, `sglang` or `vllm`:
     one folder all three load), with the embedding and head of the target it was trained
-    on (the folder's `target`)."""
+    on (the folder's `target`), and SGLang's serving calibration beside it: the confidence
+    temperatures training fitted on its held-out rows, and with `latency_table` the
+    steps-per-second table (models/dspark_calibration.py)."""
+    from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE, sps_table
     from draftsmith.models.export import target_dir_of
     from draftsmith.models.target import load_target
 
@@ -115,7 +119,17 @@ def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | No
         raise DraftsmithError(f"{folder}/config.json: target {read_native_meta(folder).get('target')!r} not found; "
                               "the Qwen3DSparkModel layout stores the target's embedding and head (DeepSpec reads "
                               "them), so the target folder is needed")
-    return export_dspark_deepspec(drafter, out_dir, load_target(target_dir), _dtype(folder, dtype, drafter))
+    extras = {}
+    sts = Path(folder) / STS_FILE
+    if sts.is_file():
+        calibration = read_json(sts)
+        if len(calibration.get("temperatures") or []) != drafter.drafts_per_block:
+            raise DraftsmithError(f"{sts}: {len(calibration.get('temperatures') or [])} temperatures for a drafter of "
+                                  f"{drafter.drafts_per_block} drafts per block (SGLang's gamma)")
+        extras[STS_FILE] = calibration
+    if latency_table is not None:
+        extras[SPS_FILE] = sps_table(latency_table)
+    return export_dspark_deepspec(drafter, out_dir, load_target(target_dir), _dtype(folder, dtype, drafter), extras)
 
 
 def _dtype(folder, dtype: str | None, drafter) -> torch.dtype:
@@ -145,7 +159,7 @@ def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path, dtype: 
 
 
 def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
-                           dtype: torch.dtype | None = None) -> Path:
+                           dtype: torch.dtype | None = None, extras: dict | None = None) -> Path:
     """The `Qwen3DSparkModel` layout DeepSpec, SGLang and vLLM load (see the module doc)."""
     c = _check_dspark(drafter, "DeepSpec")
     if c.num_target_layers - 1 in c.target_layer_ids:
@@ -164,7 +178,7 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
         markov_rank=c.markov_rank, markov_head_type="vanilla",
         enable_confidence_head=True, confidence_head_with_markov=bool(c.markov_rank), draftsmith=_our_settings(c),
     )
-    return _write(out_dir, config, {**drafter.state_dict(), **shared})
+    return _write(out_dir, config, {**drafter.state_dict(), **shared}, extras=extras)
 
 
 def _check_dspark(drafter, tool: str) -> DSparkConfig:
@@ -204,9 +218,9 @@ def _backbone_config(drafter: DFlashDrafter, arch: str, dtype: torch.dtype | Non
     }
 
 
-def _write(out_dir, config: dict, state: dict, modeling: bool = False) -> Path:
+def _write(out_dir, config: dict, state: dict, modeling: bool = False, extras: dict | None = None) -> Path:
     """`modeling`: our modeling file goes beside the weights, and `auto_map` points
-    AutoModel at the config's architecture in it."""
+    AutoModel at the config's architecture in it; `extras`: JSON files written beside them."""
     from draftsmith.models.export import DTYPES, cast_floats
 
     out_dir = Path(out_dir)
@@ -216,6 +230,8 @@ def _write(out_dir, config: dict, state: dict, modeling: bool = False) -> Path:
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", config)
+        for name, data in (extras or {}).items():
+            write_json(tmp / name, data)
         if modeling:
             shutil.copyfile(zlab_modeling.__file__, tmp / MODELING_FILE)
     return out_dir
@@ -225,12 +241,16 @@ def _write(out_dir, config: dict, state: dict, modeling: bool = False) -> Path:
 
 def load_any(path: str | Path, method: str = "dflash", target=None) -> DFlashDrafter:
     """A DFlash or DSpark drafter from any layout we write (native, z-lab, SpecForge,
-    DeepSpec), told apart by config.json. A folder of another method, a layout we do not
+    DeepSpec, speculators), told apart by config.json. A folder of another method, a layout we do not
     know, a missing weight, or (with `target`) stored target weights of the wrong shape
     are refused in one line."""
     layout, meta = expect(path, method)
     if layout == NATIVE:
         return load_drafter(path, method)
+    if layout == SPECULATORS:
+        from draftsmith.models.speculators_format import load
+
+        return load(path, method, target)
     weights = load_native_weights(path)
     if method == "dflash":
         return DFlashDrafter.from_native(DFlashConfig(**_backbone_fields(meta, path)), weights, source=str(path))

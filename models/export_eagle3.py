@@ -53,7 +53,7 @@ from draftsmith.models.eagle3 import (
     Eagle3Drafter,
     default_layer_ids,
 )
-from draftsmith.models.layouts import NATIVE, expect
+from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
 from draftsmith.models.native import config_from_dict, load_drafter, load_native_weights, read_native_meta
 from draftsmith.models.target import find_model_dir, target_shape
 
@@ -155,6 +155,10 @@ def load_any(path: str | Path, target: nn.Module) -> Eagle3Drafter:
     """An EAGLE-3 drafter from a native folder or an SGLang/vLLM/SpecForge one (ours or
     trained elsewhere), told apart by config.json; anything else is one line."""
     layout, _ = expect(path, METHOD)
+    if layout == SPECULATORS:
+        from draftsmith.models.speculators_format import load
+
+        return load(path, METHOD, target)
     return load_drafter(path, METHOD, target) if layout == NATIVE else load_eagle3_export(path, target)
 
 

@@ -38,11 +38,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.fsutil import atomic_dir, open_safetensors, read_json, write_json
 from draftsmith.models.layouts import NATIVE, expect, identify
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
@@ -136,7 +135,7 @@ def write_deepseek(heads: MTPDrafter, target, target_dir: str | Path, out_dir: s
             index["weight_map"].update({name: MTP_SHARD for name in tensors})
             write_json(tmp / index_file.name, index)
         else:
-            with safe_open(str(target_dir / "model.safetensors"), "pt") as f:
+            with open_safetensors(target_dir / "model.safetensors") as f:
                 main = {name: f.get_tensor(name) for name in f.keys()}
             save_file({**main, **tensors}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
@@ -183,7 +182,7 @@ def _read(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     for file in files:
         if not (folder / file).is_file():
             raise DraftsmithError(f"{folder / file} not found")
-        with safe_open(str(folder / file), "pt") as f:
+        with open_safetensors(folder / file) as f:
             out.update({name: f.get_tensor(name) for name in f.keys() if name.startswith(prefixes)})
     return out
 

@@ -16,6 +16,7 @@ from draftsmith.registry import METHODS
 
 NATIVE = "native"
 MTP_LAYOUT = "deepseek"  # a target whose config declares num_nextn_predict_layers
+SPECULATORS = "speculators"  # vLLM's speculators library: told apart by speculators_model_type, not architectures
 
 
 def _architectures() -> dict[str, tuple[str, str]]:
@@ -29,8 +30,20 @@ def _expected(method: str) -> str:
         return ("a draftsmith MTP run or target folder (with mtp/) or a DeepSeek-style target whose config.json "
                 "has num_nextn_predict_layers")
     foreign = METHODS[method].foreign_layouts if method in METHODS else {}
-    return "a draftsmith native folder" + "".join(f" or a {layout} folder (architectures [{arch!r}])"
-                                                  for arch, layout in foreign.items())
+    kind = METHODS[method].speculators_type if method in METHODS else ""
+    return ("a draftsmith native folder" + "".join(f" or a {layout} folder (architectures [{arch!r}])"
+                                                   for arch, layout in foreign.items())
+            + (f" or a speculators folder (speculators_model_type {kind!r})" if kind else ""))
+
+
+def _speculators_method(file: Path, kind) -> str:
+    """The method a speculators config holds, from its `speculators_model_type`; an
+    algorithm no method here trains is one line naming the ones read."""
+    known = {spec.speculators_type: spec.name for spec in METHODS.values() if spec.speculators_type}
+    if kind not in known:
+        raise DraftsmithError(f"{file}: speculators_model_type {kind!r} is not an algorithm draftsmith trains in "
+                              f"that layout (it reads speculators folders of {', '.join(sorted(known))})")
+    return known[kind]
 
 
 def check_names(file: Path, meta: dict) -> None:
@@ -52,6 +65,8 @@ def identify(path: str | Path) -> tuple[str | None, str | None, dict]:
     check_names(path / "config.json", meta)
     if meta.get("format") == "draftsmith" and "method" in meta:
         return meta["method"], NATIVE, meta
+    if "speculators_model_type" in meta:  # its architectures are the library's own names, or anything
+        return _speculators_method(path / "config.json", meta["speculators_model_type"]), SPECULATORS, meta
     arch = (meta.get("architectures") or [None])[0]
     known = _architectures()
     if arch in known:

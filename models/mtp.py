@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option
+from draftsmith.fields import option, positive
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import cache_kwarg, decoder_layers, decoder_module, rotary_embedding
 
@@ -42,6 +42,14 @@ class MTPConfig:
     lambda_early: float = option(0.3, "lambda, the MTP loss weight, before lambda_switch")
     lambda_late: float = option(0.1, "lambda from lambda_switch on")
     lambda_switch: float = option(0.67, "fraction of max_steps at which lambda drops")
+
+    @classmethod
+    def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
+        """The recipe's method keys, in one line naming the key (the modules take the target's shape)."""
+        positive(params, ("num_depths",))
+        positive(params, ("lambda_early", "lambda_late", "lambda_switch"), low=0)
+        if params.get("lambda_switch", 0) > 1:
+            raise DraftsmithError(f"method.lambda_switch: a fraction of the run, at most 1; got {params['lambda_switch']}")
 
 
 class RMSNorm(nn.Module):

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.fsutil import atomic_dir, read_json, read_safetensors, write_json
 from draftsmith.models.layouts import check_names
 
 FORMAT = "draftsmith"
@@ -70,13 +69,7 @@ def read_native_meta(path: str | Path, expect_method: str | None = None) -> dict
 
 
 def load_native_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    file = Path(path) / "model.safetensors"
-    if not file.is_file():
-        raise DraftsmithError(f"{file} not found")
-    try:
-        return load_file(str(file))
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise DraftsmithError(f"{file} is corrupt or unreadable: {exc}") from None
+    return read_safetensors(Path(path) / "model.safetensors")
 
 
 def load_state_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:

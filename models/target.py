@@ -510,9 +510,15 @@ def find_model_dir(path: str | Path, require: str = "") -> Path | str:
     name for its snapshot in the Hugging Face cache (downloaded there first when online,
     models/hub.py). A name found nowhere stays a string, for the loader to name what is
     wrong. With `require` (what the path is for, e.g. "target"), it must come to a folder
-    with a config.json."""
+    with a config.json. A GGUF file (a `.gguf` path, a folder holding one, or an embedded
+    name such as `smollm2-135m-instruct`) stands for the folder it is converted into once
+    (models/gguf.py)."""
+    from draftsmith.models.gguf import converted_folder, gguf_source
     from draftsmith.models.hub import hub_snapshot, looks_like_repo_id
 
+    gguf_file = gguf_source(path)
+    if gguf_file is not None:
+        return converted_folder(gguf_file)
     local = Path(path)
     if (local / "model" / "config.json").is_file():
         return local / "model"

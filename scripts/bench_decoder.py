@@ -15,8 +15,13 @@ Without --target the target is a random tiny Llama with the embedded default's s
 (8 layers, 8 query heads over 1 KV head: D = 15). Random weights make any separately
 built draft model useless, so its upper layers are damped and the draft model is its
 first layers (a truncated twin): cheap, and right often enough to be worth measuring.
+With --target (a model folder with its tokenizer, e.g. SmolLM2-135M-Instruct converted
+from GGUF) the prompts are the first user turns of --dataset through the target's chat
+template, and without --draft the draft model is the target's own first --draft-layers
+layers with its final norm and head (a truncated twin of the real weights: a small draft
+model both engines run alike).
 
-    python scripts/bench_decoder.py [--target DIR --draft DIR] [--prompts 8 --new-tokens 128]
+    python scripts/bench_decoder.py [--target DIR [--draft DIR] --dataset FILE] [--prompts 8 --new-tokens 128]
 """
 
 from __future__ import annotations
@@ -42,13 +47,36 @@ def tiny_world(draft_layers: int, damp: float):
         for layer in decoder_layers(target)[draft_layers:]:
             layer.self_attn.o_proj.weight.mul_(damp)
             layer.mlp.down_proj.weight.mul_(damp)
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = draft_layers
+    return freeze(target), truncated_twin(target, draft_layers)
+
+
+def truncated_twin(target, layers: int):
+    """The target's first `layers` decoder layers with its embedding, final norm and head."""
     from transformers import AutoModelForCausalLM
 
-    draft = AutoModelForCausalLM.from_config(config)
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    param = next(target.parameters())
+    with torch.device(param.device):
+        draft = AutoModelForCausalLM.from_config(config, dtype=param.dtype)
     draft.load_state_dict(target.state_dict(), strict=False)  # the upper layers' weights are left out
-    return freeze(target), freeze(draft)
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return freeze(draft)
+
+
+def dataset_prompts(target_dir: str, dataset: str, count: int) -> list[torch.Tensor]:
+    """The first user turn of the first `count` conversations of `dataset`, through the
+    target's chat template (eval/prompts.py renders them as eval does)."""
+    from draftsmith.data.tokenizer import load_pretrained_tokenizer
+    from draftsmith.eval.prompts import eval_conversations, render_turn
+
+    tokenizer = load_pretrained_tokenizer(target_dir)
+    turns = eval_conversations(dataset, count)
+    template = tokenizer.chat_template or None
+    return [torch.tensor(render_turn(tokenizer, conversation[0], template, {}), dtype=torch.long)
+            for conversation in turns]
 
 
 def make_prompts(vocab: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -118,12 +146,18 @@ def measure(decoder, target, counter, prompts, new_tokens, repeats, hf_kwargs):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", help="a saved Hugging Face causal LM folder (default: a random tiny Llama)")
-    ap.add_argument("--draft", help="draft model folder sharing the target's vocabulary (with --target)")
+    ap.add_argument("--draft", help="draft model folder sharing the target's vocabulary (with --target; default: the "
+                                    "target's first --draft-layers layers)")
+    ap.add_argument("--dataset", default="mt-bench",
+                    help="with --target: conversations whose first user turns are the prompts (a benchmark name or "
+                         "file eval reads)")
     ap.add_argument("--num-draft", type=int, help="drafts per verify (default: the tile rule)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3, help="runs per prompt and engine; the fastest counts")
-    ap.add_argument("--draft-layers", type=int, default=1, help="tiny target only: layers of the truncated twin")
+    ap.add_argument("--draft-layers", type=int, default=None,
+                    help="layers of the truncated-twin draft model (default: 1 for the tiny target, a tenth of a "
+                         "real target's)")
     ap.add_argument("--damp", type=float, default=0.05, help="tiny target only: scale of the upper layers' outputs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -135,15 +169,17 @@ def main(argv=None) -> int:
 
     if args.target:
         target = load_target(args.target, device=device)
-        if not args.draft:
-            ap.error("--target needs --draft (the draft model both engines use)")
-        from transformers import AutoModelForCausalLM
+        if args.draft:
+            from transformers import AutoModelForCausalLM
 
-        draft = freeze(AutoModelForCausalLM.from_pretrained(args.draft).to(device))
+            draft = freeze(AutoModelForCausalLM.from_pretrained(args.draft).to(device))
+        else:
+            draft = truncated_twin(target, args.draft_layers or max(1, target.config.num_hidden_layers // 10))
+        prompts = dataset_prompts(args.target, args.dataset, args.prompts)
     else:
-        target, draft = (m.to(device) for m in tiny_world(args.draft_layers, args.damp))
+        target, draft = (m.to(device) for m in tiny_world(args.draft_layers or 1, args.damp))
+        prompts = make_prompts(target.config.vocab_size, args.prompts, args.seed)
     D = default_num_draft(target.config) if args.num_draft is None else args.num_draft
-    prompts = make_prompts(target.config.vocab_size, args.prompts, args.seed)
     eos = target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
@@ -164,7 +200,8 @@ def main(argv=None) -> int:
         "lookup, hf way": {"prompt_lookup_num_tokens": D, "max_matching_ngram_size": 4},
         "draft model": {"assistant_model": draft},
     }
-    print(f"target: {args.target or 'random tiny llama (8 layers, H 256, 8q/1kv)'}  D = {D}  "
+    draft_name = args.draft or f"truncated twin, {draft.config.num_hidden_layers} layers"
+    print(f"target: {args.target or 'random tiny llama (8 layers, H 256, 8q/1kv)'}  draft model: {draft_name}  D = {D}  "
           f"prompts = {len(prompts)}  new tokens = {args.new_tokens}  device = {device}  "
           f"threads = {torch.get_num_threads()}  repeats = {args.repeats} (fastest counts)")
 

@@ -122,3 +122,57 @@ def test_a_recipes_eval_section_gives_the_defaults_and_flags_win(runs, tmp_path)
     assert main(["eval", "--target", str(runs / "mtp"), "--out", str(out2), "--recipe", str(recipe),
                  "--drafter", "ngram", "--num-prompts", "2"]) == 0
     assert json.loads((out2 / "report.json").read_text())["settings"]["num_prompts"] == 2
+
+
+def _latency_table(runs, tmp_path, rows, device_type="cpu", **shape):
+    """A hand-made latency table of the mtp run's target (verify_ms per d at one context)."""
+    from draftsmith.models.latency import TABLE_FORMAT
+    from draftsmith.models.target import load_target, target_shape
+
+    s = target_shape(load_target(runs / "mtp" / "model").config)
+    table = {"format": TABLE_FORMAT, "version": 1, "target": "mtp", "device": "test", "device_type": device_type,
+             "dtype": "float32", "attention": "sdpa", "cache": "dynamic", "torch": "x", "transformers": "x",
+             "reps": 1, "head_ms": 0.0, "contexts": [64], "drafts": list(range(len(rows))), "verify_ms": [rows],
+             "shape": {"layers": s.num_layers, "hidden": s.hidden_size, "heads": s.num_heads,
+                       "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "vocab": s.vocab_size, **shape}}
+    path = tmp_path / f"latency-{len(rows)}-{device_type}.json"
+    path.write_text(json.dumps(table))
+    return path
+
+
+def test_num_draft_auto_picks_each_drafters_d_from_its_calibration(runs, tmp_path):
+    # Verify costs 1 ms up to two drafts, then 1000 ms: no acceptance pays for a third draft.
+    table = _latency_table(runs, tmp_path, [1.0, 1.0, 1.0] + [1000.0] * 37)
+    out = tmp_path / "auto"
+    assert main(eval_args(runs, out, "--drafter", "ngram", "--drafter", f"mtp:{runs / 'mtp'}", "--num-draft", "auto",
+                          "--latency-table", str(table), "--calibration-prompts", "2")) == 0
+    report = json.loads((out / "report.json").read_text())
+    how = report["num_draft_auto"]
+    assert "validation split" in how["calibration"] and how["calibration_prompts"] == 2
+    assert how["tile_rule_D"] == report["target"]["D"] == 31 and how["cap"] == 39  # CPU: the table's d, no tile
+    for row in report["drafters"]:
+        auto = row["num_draft_auto"]
+        assert row["num_draft"] == auto["chosen"] <= 2 and len(row["per_position_acceptance"]) == row["num_draft"]
+        assert auto["tile_rule_D"] == 31 and [p["d"] for p in auto["curve"]] == list(range(40))
+        best = max(auto["curve"], key=lambda p: p["tokens_per_s"])
+        assert best["d"] == auto["chosen"] and len(auto["acceptance"]) == 39
+        assert set(auto["draft_and_host_ms"]) == {"1", "39"}
+    md = (out / "report.md").read_text()
+    assert "--num-draft auto" in md and "num_draft.png" in md and (out / "num_draft.png").stat().st_size > 0
+
+
+def test_num_draft_auto_refuses_a_table_of_another_target_or_device(runs, tmp_path, capsys):
+    for table, message in ((_latency_table(runs, tmp_path, [1.0] * 40, layers=99), "measured for a target"),
+                           (_latency_table(runs, tmp_path, [1.0] * 41, device_type="cuda"), "measured on test")):
+        assert main(eval_args(runs, tmp_path / "r", "--drafter", "ngram", "--num-draft", "auto",
+                              "--latency-table", str(table))) == 2
+        assert message in capsys.readouterr().err
+    assert main(eval_args(runs, tmp_path / "r", "--drafter", "ngram", "--latency-table", str(table))) == 2
+    assert "give both or neither" in capsys.readouterr().err
+    # A conversation dataset calibrates on the conversations after the evaluated ones: there must be some.
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(3)))
+    assert main(eval_args(runs, tmp_path / "r", "--drafter", "ngram", "--num-draft", "auto", "--dataset",
+                          str(data))) == 2
+    assert "left for the 4 calibration prompts" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -435,10 +435,11 @@ def test_mtp_sglang_layout_is_module_one_alone_and_says_so(tmp_path, capsys):
     assert torch.equal(drafts(ours, target, prompt, n=1)[0], drafts(one, target, prompt, n=1)[0])
     # ... and drafts every position as `mtp_nextn` of the run: module 1 chained, as SGLang runs it.
     assert_same_drafts(f"mtp_nextn:{run}", f"mtp:{out}", target, prompt)
-    # The printed command chains the one module over the tile rule's D (MLA: G = H = 4, D = 31).
+    # The printed command chains the one module the references' 3 steps (the tile rule's D, MLA:
+    # G = H = 4, D = 31, is only the ceiling: each step is a drafter pass).
     sglang = next(line for line in printed if "sglang.launch_server" in line)
     assert f"--model-path {out}" in sglang and "--speculative-algorithm EAGLE" in sglang
-    assert "--speculative-num-steps 31 --speculative-eagle-topk 1 --speculative-num-draft-tokens 32" in sglang
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in sglang
 
 
 def test_mtp_export_keeps_the_target_dtype(tmp_path):
@@ -532,7 +533,8 @@ def test_exports_are_in_the_target_dtype_unless_told(target, tmp_path):
 
 
 def test_export_prints_the_commands_that_serve_it(target, target_dir, tmp_path, capsys):
-    """The flags derive from the run: D = 128 // G - 1 for this target (G = 2: 63), DSpark's
+    """The flags derive from the run: an EAGLE-3 chain of the references' 3 steps (under D = 128 // G - 1,
+    63 at G = 2), DSpark's
     block B (5): SGLang verifies B + 1 tokens, vLLM drafts B; DFlash's block of 6 gives 5 drafts."""
     cases = {"eagle3": (eagle3(target), "vllm"), "dflash": (dflash(target), "zlab"), "dspark": (dspark(target), "sglang")}
     printed = {}
@@ -546,8 +548,9 @@ def test_export_prints_the_commands_that_serve_it(target, target_dir, tmp_path, 
             assert str(target_dir) in line and str(tmp_path / f"{method}-out") in line and "--dtype float32" in line
     sglang, vllm = printed["eagle3"]
     assert "--speculative-algorithm EAGLE3" in sglang
-    assert "--speculative-num-steps 63 --speculative-eagle-topk 1 --speculative-num-draft-tokens 64" in sglang
-    assert '"method": "eagle3"' in vllm and '"num_speculative_tokens": 63' in vllm
+    # A chain pays a drafter pass per step: the references' 3 steps, not the tile rule's 63.
+    assert "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in sglang
+    assert '"method": "eagle3"' in vllm and '"num_speculative_tokens": 3' in vllm
     sglang, vllm = printed["dflash"]
     assert "--speculative-algorithm DFLASH" in sglang and "--speculative-num-draft-tokens 6" in sglang
     assert '"method": "dflash"' in vllm and '"num_speculative_tokens": 5' in vllm

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
-from draftsmith.registry import trainable
+from draftsmith.registry import posthoc, trainable
 from draftsmith.train import loop
 from draftsmith.train.loop import latest_checkpoint, train
 from tiny_runs import ROOT, overrides, tiny_recipe
@@ -728,3 +728,275 @@ def test_a_full_disk_anywhere_else_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(loop, "_log", enospc)
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(tmp_path / "run", **STRAIGHT)]))
     assert "the disk is full (No space left on device)" in line and "are intact" in line
+
+
+# ---------------------------------------------------------------- round three: outputs that are not files
+
+def out_commands(run, out: Path) -> dict[str, list[str]]:
+    """Every command that writes an --out, writing `out`; each refuses a bad --out before any work."""
+    from draftsmith.registry import export_formats
+
+    return {
+        "regenerate": ["data", "regenerate", "--target", str(run), "--out", str(out), "--limit", "1"],
+        "eval": eval_args(run, out),
+        "export": ["export", str(run), "--format", export_formats()[0], "--out", str(out)],
+        "cache-hidden": ["data", "cache-hidden", "--target", str(run), "--method", "eagle3", "--out", str(out)],
+        "prepare": ["data", "prepare", "sharegpt", "--out", str(out)],
+    }
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link to a file", "link to a folder", "dangling link"])
+def test_an_out_that_is_no_regular_file_or_folder_is_refused_before_any_work(run, tmp_path, capsys, kind):
+    """A rename replaces a name, not what it names: --out /dev/full (as root) became a regular
+    file of answers, and a link became our file. A FIFO stands in for a device here."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    out = tmp_path / "out"
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        out.symlink_to({"link to a file": mine / "notes.txt", "link to a folder": mine,
+                        "dangling link": tmp_path / "nowhere"}[kind])
+    for name, args in out_commands(run, out).items():
+        line = one_line_error(capsys, main(args))
+        expected = "is a named pipe (FIFO), not a regular file" if kind == "fifo" else "is a symbolic link (to "
+        assert expected in line and str(out) in line, (name, line)
+    assert out.is_symlink() or out.is_fifo()
+    assert (mine / "notes.txt").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["mine", "out"]
+
+
+def test_a_second_writer_of_an_output_is_refused_in_one_line(run, tmp_path, capsys):
+    """Two regenerations into one --out shared one partial file (every answer twice, or a
+    FileNotFoundError at the rename), and two evals both "succeeded": one writer per output."""
+    outs = {name: tmp_path / name for name in ("regenerate.jsonl", "eval", "export", "cache", "prepare.jsonl")}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import contextlib, sys, time\nfrom draftsmith.fsutil import output_lock\n"
+         "with contextlib.ExitStack() as stack:\n    for out in sys.argv[1:]:\n"
+         "        stack.enter_context(output_lock(out))\n    print('held', flush=True)\n    time.sleep(60)",
+         *map(str, outs.values())], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        commands = out_commands(run, tmp_path / "x")
+        for (name, args), out in zip(commands.items(), outs.values()):
+            args = [str(out) if a == str(tmp_path / "x") else a for a in args]
+            line = one_line_error(capsys, main(args))
+            assert f"--out {out} is in use by process {holder.pid}" in line, (name, line)
+        assert sorted(os.listdir(tmp_path)) == sorted(f".{out.name}.lock" for out in outs.values())
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_report_folders_are_named_by_the_exact_temperature(run, tmp_path, capsys):
+    """`:g` named both t1e-07: the second report replaced the first and report.json listed one."""
+    from draftsmith.eval.report import temperature_label
+
+    assert [temperature_label(t) for t in (0.0, -0.0, 0.7, 1.0, 1e-7, 1.0000001e-7)] == \
+        ["t0", "t0", "t0.7", "t1", "t1e-07", "t1.0000001e-07"]
+    out = tmp_path / "r"
+    assert main(eval_args(run, out, "--temperature", "1e-7", "--temperature", "1.0000001e-7")) == 0
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert sorted(runs) == ["t1.0000001e-07", "t1e-07"]
+    temps = [json.loads((out / label / "report.json").read_text())["settings"]["temperature"] for label in sorted(runs)]
+    assert temps == [1.0000001e-7, 1e-7]
+    line = one_line_error(capsys, main(eval_args(run, tmp_path / "r2", "--temperature", "0", "--temperature", "-0.0")))
+    assert "are one setting (report folder t0)" in line and not (tmp_path / "r2").exists()
+
+
+# ---------------------------------------------------------------- resumes that change the recipe
+
+@pytest.mark.parametrize("override, change", [
+    ("train.seq_len=16", "train.seq_len from 32 to 16"), ("train.batch_size=2", "train.batch_size from 4 to 2"),
+    ("train.seed=1", "train.seed from 0 to 1"), ("method.num_depths=1", "method.num_depths from 2 to 1"),
+    ("train.max_steps=5", "train.max_steps from 6 to 5"),
+])
+def test_a_resume_that_changes_the_runs_trajectory_is_refused(run, tmp_path, capsys, override, change):
+    work = copy_run(run, tmp_path)
+    before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+    line = one_line_error(capsys, main(resume_args(work, override, train__resume="true")))
+    assert "cannot resume from" in line and change in line and "train.resume_changes=allow" in line
+    assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
+
+
+def test_a_resume_allowed_to_change_records_the_change_and_its_step(run, tmp_path):
+    work = copy_run(run, tmp_path)
+    assert main(resume_args(work, "train.seed=1", "train.resume_changes=allow", train__resume="true",
+                            train__max_steps=7, train__eval_every=50)) == 0
+    changes = {c["key"]: c for c in json.loads((work / "run.json").read_text())["changes"]}
+    assert changes["train.seed"] == {"step": 6, "key": "train.seed", "was": 0, "now": 1}
+    assert {k: (c["was"], c["now"]) for k, c in changes.items() if k != "train.seed"} == \
+        {"train.max_steps": (6, 7), "train.eval_every": (100, 50)}  # these pass without allow
+    assert "seed: 1" in (work / "recipe.yaml").read_text() and max(r["step"] for r in rows(work)) == 7
+
+
+# ---------------------------------------------------------------- every write error is one line
+
+def test_a_file_size_limit_a_read_only_disk_and_an_io_error_are_one_line(tmp_path, monkeypatch, capsys):
+    """A real `ulimit -f` under safetensors' writer (exports, checkpoints) and torch.save; then
+    EROFS and EIO as the OS reports them. Each is one line saying what was kept."""
+    import resource
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from draftsmith.errors import DiskFull
+    from draftsmith.fsutil import atomic_dir
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    for write in (lambda tmp: save_file({"w": torch.zeros(4096)}, str(tmp / "model.safetensors")),
+                  lambda tmp: torch.save({"w": torch.zeros(4096)}, tmp / "w.pt")):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            with pytest.raises(DiskFull) as caught:
+                with atomic_dir(tmp_path / "export") as tmp:
+                    write(tmp)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert "cannot write" in str(caught.value) and "was not written" in str(caught.value)
+        assert sorted(os.listdir(tmp_path)) == []
+    assert "the file is past the file-size limit (Error while serializing: I/O error: File too large" in \
+        _atomic_failure(tmp_path, SafetensorError("Error while serializing: I/O error: File too large (os error 27)"))
+    assert "the file system is read-only (Read-only file system)" in _atomic_failure(
+        tmp_path, OSError(errno.EROFS, "Read-only file system"))
+
+    def efbig_save_state(*args, **kwargs):  # as accelerate's save_state reports safetensors' error
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+
+    real = loop.save_checkpoint
+
+    def limited(accelerator, out_dir, step, window=None):
+        if step == 4:
+            accelerator.save_state = efbig_save_state
+        return real(accelerator, out_dir, step, window)
+
+    monkeypatch.setattr(loop, "save_checkpoint", limited)
+    out = tmp_path / "run"
+    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
+        out, train__max_steps=4, train__save_every=2, train__eval_every=100)]))
+    assert "the file is past the file-size limit: Error while serializing" in line and "checkpoint_2 is intact" in line
+    monkeypatch.setattr(loop, "_log", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(tmp_path / "run2", **STRAIGHT)]))
+    assert "the device reported an I/O error (Input/output error)" in line and "are intact" in line
+
+
+def _atomic_failure(tmp_path, exc) -> str:
+    from draftsmith.errors import DiskFull
+    from draftsmith.fsutil import atomic_dir
+
+    with pytest.raises(DiskFull) as caught:
+        with atomic_dir(tmp_path / "export"):
+            raise exc
+    return str(caught.value)
+
+
+def test_a_truncated_cache_file_is_one_line_and_a_rerun_writes_it_anew(tmp_path):
+    from draftsmith.data.feature_cache import FeatureCache, write_feature_cache
+
+    out = tmp_path / "cache"
+    write_feature_cache(out, {"target": {}}, tiny_rows(), doubled, shard_rows=4)
+    for name in ("rows.safetensors", "shard-00001.safetensors"):
+        file = out / name
+        os.truncate(file, file.stat().st_size // 2)
+        with pytest.raises(DraftsmithError, match=rf"{name} is truncated or damaged \(.*\); rerun draftsmith data "
+                                                  "cache-hidden with the same arguments"):
+            FeatureCache(out)
+        write_feature_cache(out, {"target": {}}, tiny_rows(), doubled, shard_rows=4)  # writes the cut file anew
+        assert torch.equal(FeatureCache(out).rows(0, 6)[5]["hidden"], torch.full((4,), 2.0))
+
+
+# ---------------------------------------------------------------- shapes checked where they are declared
+
+@pytest.mark.parametrize("recipe, override, message", [
+    ("mtp", "target.intermediate_size=-1", "target.intermediate_size: must be at least 0, got -1"),
+    ("mtp", "target.hidden_size=30", "target.num_heads=4 does not divide target.hidden_size=30"),
+    ("mtp", "target.num_kv_heads=3", "target.num_kv_heads=3 does not divide target.num_heads=4"),
+    ("mtp", "method.lambda_switch=2", "method.lambda_switch: a fraction of the run"),
+    ("draft_lm", "method.hidden_size=30", "method.num_heads=4 does not divide method.hidden_size=30"),
+    ("eagle3", "method.intermediate_size=-1", "method.intermediate_size: must be at least 1, got -1"),
+    ("eagle3", "method.num_heads=3", "method.num_heads=3 does not divide method.hidden_size=64"),
+    ("dflash", "method.num_kv_heads=3", "method.num_kv_heads=3 does not divide method.num_heads=4"),
+    ("dflash", "method.gamma=0", "method.gamma: the loss decay over draft positions must be positive"),
+    ("dspark", "method.markov_rank=-1", "method.markov_rank: must be at least 0"),
+    # Decided: a block longer than the rows is refused, not warned about (its last drafts never train).
+    ("dflash", "method.block_size=128", "method.block_size=128 is longer than the rows of train.seq_len=32"),
+])
+def test_shapes_are_refused_in_one_line_naming_the_key_before_any_model(run, tmp_path, capsys, recipe, override,
+                                                                       message):
+    """EAGLE-3's heads not dividing the width were a huggingface_hub validator's 47 lines, and
+    target.intermediate_size=-1 torch's negative dimension; a post-hoc method is refused
+    against its target's config before any answer is regenerated."""
+    out = tmp_path / "run"
+    line = one_line_error(capsys, main(["train", recipe_path(recipe), *overrides(out, target__path=str(run)
+                                                                                 if recipe in posthoc() else ""),
+                                        override]))
+    assert message in line and not out.exists()
+
+
+def test_a_deleted_working_directory_is_one_line(run, tmp_path):
+    """transformers resolves a path against the working directory as it is imported (a
+    FileNotFoundError traceback, every path given absolute)."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    result = subprocess.run([sys.executable, "-m", "draftsmith.cli", "plan", str(run / "model")],
+                            preexec_fn=lambda: (os.chdir(gone), os.rmdir(gone)), capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip() == ("draftsmith: error: the working directory no longer exists (deleted while this "
+                                     "shell was in it): cd to an existing folder and run again")
+
+
+# ---------------------------------------------------------------- text the tokenizer cannot take
+
+def test_lone_surrogates_in_a_dataset_are_replaced_and_counted(run, tmp_path, capsys):
+    """A JSON "\\ud800" (half a UTF-16 pair) reached the tokenizer: a TypeError in eval and regenerate."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "caf\\ud800 au lait"}\n{"turns": ["ok", "\\udfff?"]}\n', encoding="ascii")
+    note = f"draftsmith: {data}: replaced {{}} lone UTF-16 surrogate(s) (invalid text, first in conversation 0) with U+FFFD"
+    assert main(eval_args(run, tmp_path / "r", "--dataset", str(data), "--num-prompts", "2")) == 0
+    assert note.format(2) in capsys.readouterr().err
+    out = tmp_path / "o.jsonl"
+    assert main(["data", "regenerate", "--target", str(run), "--dataset", str(data), "--out", str(out),
+                 "--max-new-tokens", "2"]) == 0
+    assert note.format(2) in capsys.readouterr().err
+    first = json.loads(out.read_text(encoding="utf-8").splitlines()[0])["messages"][0]["content"]
+    assert first == "caf\ufffd au lait"
+
+
+# ---------------------------------------------------------------- the debatable cases, decided
+
+def test_a_nan_stop_names_only_a_checkpoint_whose_weights_are_finite(tmp_path, monkeypatch, capsys):
+    """Decided: "the last good checkpoint" is read before it is named; one with NaN weights is not."""
+    from safetensors.torch import load_file, save_file
+
+    from draftsmith.train.mtp import MTPTraining
+
+    real_loss, real_save = MTPTraining.loss, loop.save_checkpoint
+
+    def nan_from_step_3(self, model, batch, step, micro=0):
+        loss, metrics = real_loss(self, model, batch, step, micro=micro)
+        return (loss * float("nan") if step >= 2 else loss), metrics
+
+    def poisoned(accelerator, out_dir, step, window=None):  # weights turned NaN on disk since
+        real_save(accelerator, out_dir, step, window)
+        file = out_dir / "checkpoints" / f"checkpoint_{step}" / "model.safetensors"
+        save_file({k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in load_file(file).items()},
+                  str(file), metadata={"format": "pt"})
+
+    monkeypatch.setattr(MTPTraining, "loss", nan_from_step_3)
+    monkeypatch.setattr(loop, "save_checkpoint", poisoned)
+    out = tmp_path / "run"
+    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(out, **{**STRAIGHT,
+                                                                                       "train__save_every": 2})]))
+    assert "step 3: the training loss is nan" in line
+    assert "no checkpoint with finite weights had been saved; the later checkpoint_2 hold NaN" in line
+
+
+def test_a_run_that_cannot_learn_or_validate_says_so_once(tmp_path, capsys):
+    """Decided: train.lr=0 (a dry run) and train.eval_batches=0 (validation off) are taken, and said."""
+    out = tmp_path / "run"
+    assert main(["train", recipe_path("mtp"), *overrides(out, train__max_steps=1, train__lr=0,
+                                                         train__eval_batches=0)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("train.lr=0: the weights will not change") == 1
+    assert err.count("train.eval_batches=0: validation is off") == 1
+    assert not any(k.startswith("val/") for r in rows(out) for k in r)

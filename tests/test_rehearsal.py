@@ -111,11 +111,13 @@ def _check(result: dict, recipe: str) -> None:
 
 def test_every_real_recipe_is_rehearsed():
     """The table above covers every recipe folder: a new 8B recipe is rehearsed or fails here.
-    The MTP pretraining recipes (recipes/pretrain_1b) are rehearsed in test_pretrain_rehearsal.py."""
+    The MTP pretraining recipes (recipes/pretrain_1b) are rehearsed in test_pretrain_rehearsal.py,
+    and those of the embedded real target (recipes/smollm2_135m) run on it in test_real_target.py."""
     from test_pretrain_rehearsal import FOLDER as PRETRAIN_FOLDER
+    from test_real_target import RECIPES as REAL_TARGET_FOLDER
 
     real = {p.name for p in (ROOT / "recipes").iterdir() if p.is_dir()} - {"tiny", "accelerate"}
-    assert real == set(MODELS) | {PRETRAIN_FOLDER}, real
+    assert real == set(MODELS) | {PRETRAIN_FOLDER, REAL_TARGET_FOLDER.name}, real
     assert RECIPES and {r.split("/")[0] for r in RECIPES} == set(MODELS)
     assert {Path(r).stem for r in RECIPES} <= set(EXPORT_FORMAT)
     assert set(FAMILIES) == {family for family, _ in MODELS.values()}

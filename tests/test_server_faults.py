@@ -20,6 +20,30 @@ from draftsmith.errors import DraftsmithError
 HANG = "hang"  # an answer that never comes: the connection is taken and left waiting
 
 
+class Drip:
+    """An answer sent one byte every `every` seconds, in its status line and headers or in its
+    body, for at most `limit` seconds: each socket read gets a byte in time, the whole never comes."""
+
+    def __init__(self, part: str, every: float = 0.1, limit: float = 5.0):
+        self.part, self.every, self.limit = part, every, limit
+
+    def send(self, handler, release) -> None:
+        head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+        dripped = head + b" " * 100000 if self.part == "headers" else b" " * 100000
+        if self.part == "body":
+            handler.wfile.write(head)
+        started = time.monotonic()
+        try:
+            for byte in dripped:
+                if release.is_set() or time.monotonic() - started > self.limit:
+                    return
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(self.every)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up on it
+            pass
+
+
 def reply(content="Four.", usage=None) -> dict:
     body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
     return {**body, "usage": usage} if usage is not None else body
@@ -43,6 +67,9 @@ def scripted_server(answer):
             got = answer(method, self.path, body, self.headers)
             if got == HANG:
                 release.wait(10.0)  # bounded: the test's end releases it sooner
+                return
+            if isinstance(got, Drip):
+                got.send(self, release)
                 return
             status, payload, extra = (*got, {})[:3]
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -90,7 +117,7 @@ def serving(target, chat=lambda body, headers: (200, reply()), models=None):
 
     def answer(method, path, body, headers):
         if path == "/v1/models":
-            return listed if listed == HANG else (200, listed)
+            return listed if listed == HANG or isinstance(listed, Drip) else (200, listed)
         return chat(body, headers)
     return answer
 
@@ -245,3 +272,70 @@ def test_the_key_comes_from_the_environment(target, tmp_path, capsys, monkeypatc
             code, err = regenerate_cli(target, url, tmp_path, capsys)
             assert seen[-1][3]["authorization"] == f"Bearer sk-{'local' if name == 'OPENAI_API_KEY' else 'vllm'}"
         assert code == 0, err
+
+
+# ---------------------------------------------------------------- answers that drip, answers too long, bad text
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_server_that_drips_its_answer_meets_a_whole_answer_deadline(target, tmp_path, part):
+    """A byte every 0.1 s keeps every socket read within its timeout; the whole answer must come
+    within the timeout, at start-up and per request (it was per read: a drip was waited on forever)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    sampling = ReplyDecoding(max_new_tokens=4, stop_ids=(0,))
+    conversations = [[{"role": "user", "content": "Hi"}]]
+    for models, chat, limits, path in (
+            (Drip(part), lambda body, headers: (200, reply()), Limits(startup_timeout=0.5, startup_retries=0),
+             "/v1/models"),
+            (None, lambda body, headers: (200, reply()) if body["max_tokens"] == 1 else Drip(part),
+             Limits(timeout=0.5, retries=0), "/v1/chat/completions")):
+        with scripted_server(serving(target, chat=chat, models=models)) as (url, _):
+            started = time.monotonic()
+            with pytest.raises(DraftsmithError) as caught:
+                regenerate_via_servers([url], str(target), tokenizer, conversations, tmp_path / "out.jsonl",
+                                       sampling, limits=limits)
+            elapsed = time.monotonic() - started
+        assert f"no answer on {path} within 0.5 s (gave up after 1 tries)" in str(caught.value)
+        assert elapsed < 4.0, elapsed
+    assert nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (reply(content="x" * 200_000), "an answer of 200000 characters, more than 4 tokens can hold"),
+    (reply(usage={"completion_tokens": 4000}), "counts 4000 completion tokens, more than the max_tokens 4 asked for"),
+])
+def test_an_answer_longer_than_asked_is_refused_before_it_is_tokenized(target, tmp_path, capsys, monkeypatch,
+                                                                        answer, message):
+    """A server that ignores max_tokens (it was tokenized whole: 64 MB to an 8-token request
+    ended in a tokenizer panic); the tokenizer is never called on it."""
+    from transformers import PreTrainedTokenizerBase
+
+    def chat(body, headers):
+        return (200, reply()) if body["max_tokens"] == 1 else (200, answer)
+
+    with scripted_server(serving(target, chat=chat)) as (url, _):
+        real_call = PreTrainedTokenizerBase.__call__
+
+        def guarded(self, text, *args, **kwargs):
+            assert len(text) < 10_000, "a too long answer reached the tokenizer"
+            return real_call(self, text, *args, **kwargs)
+
+        monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", guarded)
+        code, err = regenerate_cli(target, url, tmp_path, capsys)
+    assert_one_line(code, err, "conversation 0, turn 1", message, "the server does not keep to")
+    assert nothing_written(tmp_path)
+
+
+def test_lone_surrogates_in_answers_are_replaced_and_counted(target, tmp_path, capsys):
+    """JSON may escape half a UTF-16 pair ("\\ud800"), which no tokenizer takes and no UTF-8 file
+    can hold (it was a TypeError); it becomes U+FFFD, counted in one line."""
+    def chat(body, headers):
+        return (200, reply()) if body["max_tokens"] == 1 else (200, reply(content="Four\ud800."))
+
+    with scripted_server(serving(target, chat=chat)) as (url, _):
+        code, err = regenerate_cli(target, url, tmp_path, capsys)
+    assert code == 0, err
+    assert err == ["draftsmith: regenerate: replaced 3 lone UTF-16 surrogate(s) in the servers' answers with U+FFFD"]
+    rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [m["content"] for row in rows for m in row if m["role"] == "assistant"] == ["Four\ufffd."] * 3

@@ -91,6 +91,9 @@ def test_dspark_on_a_frozen_dflash_backbone_and_confusions(target, tmp_path, cap
                   method__backbone=str(backbone), method__freeze_backbone=True, method__markov_rank=16, **greedy))
     config = json.loads((run / "model" / "config.json").read_text())
     assert config["method"] == "dspark" and config["config"]["block_convention"] == "anchor_is_context"
+    # SGLang's confidence calibration, fitted on the run's held-out rows: one temperature per draft.
+    calibration = json.loads((run / "model" / "dspark_sts.json").read_text())
+    assert len(calibration["temperatures"]) == config["config"]["block_size"] - 1 and calibration["num_samples"] > 0
     report = evaluate(target, tmp_path / "r", f"dspark:{run}", f"dflash:{backbone}")
     # The trained refiner and confidence head raise tau over their own frozen backbone.
     assert report["dspark"]["tau"] > report["dflash"]["tau"] + 0.5, (report["dspark"]["tau"], report["dflash"]["tau"])
@@ -134,7 +137,7 @@ def test_export_cli_writes_engine_layouts_and_refuses_the_wrong_format(target, t
     assert vllm["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     capsys.readouterr()
     assert main(["export", str(run), "--format", "zlab", "--out", str(tmp_path / "zlab")]) == 2
-    assert "must be one of sglang, vllm, native" in capsys.readouterr().err
+    assert "must be one of sglang, vllm, speculators, native" in capsys.readouterr().err
     assert main(["export", str(target), "--format", "native", "--out", str(tmp_path / "t")]) == 2
     assert "MTP modules in" in capsys.readouterr().err  # a Llama target's: for draftsmith's own decoder
     assert not (tmp_path / "zlab").exists() and not (tmp_path / "t").exists()

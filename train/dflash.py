@@ -7,6 +7,7 @@ backbone and data path (`train/dspark.py` subclasses this).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ from draftsmith.models.dflash import concat_layers
 from draftsmith.models.native import save_drafter
 from draftsmith.registry import config_class, import_ref, method_spec
 from draftsmith.train.posthoc import LossForward, PostHocMethod
+
+log = logging.getLogger(__name__)
 
 
 def anchor_seed(seed: int, micro: int, process: int, training: bool) -> int:
@@ -43,10 +46,20 @@ class DFlashTraining(PostHocMethod):
         """A fresh drafter of the recipe's method (its config and module as the registry names
         them), sized from the target; the recipe's method fields win."""
         name = self.recipe.method.name
-        if getattr(self.target.config, "mask_token_id", None) is None:
-            params.setdefault("mask_token_id", self.tokenizer.mask_token_id)
+        if getattr(self.target.config, "mask_token_id", None) is None and params.get("mask_token_id") is None:
+            params["mask_token_id"] = self.mask_token()
         config = config_class(name).from_target(self.target.config, tile=self.recipe.target.tile, **params)
         return import_ref(method_spec(name).model, f"method {name!r}")(config)
+
+    def mask_token(self) -> int:
+        """The tokenizer's mask token, or one chosen for a tokenizer without (data/tokenizer.py);
+        the drafter's config, saved with the run and written into every export, records it."""
+        from draftsmith.data.tokenizer import choose_mask_token
+
+        rows = [self.tokens_of(data)["input_ids"] for data in (self.train_data, self.eval_data)]
+        mask_id, why = choose_mask_token(self.tokenizer, self.target.get_input_embeddings().num_embeddings, rows)
+        log.info("mask token: id %d, %s", mask_id, why)
+        return mask_id
 
     def extract(self, out):
         return {"hidden": concat_layers(out.hidden, self.layer_ids)}

@@ -6,12 +6,17 @@ a trained DFlash backbone (`method.backbone=RUN`), kept frozen or trained on.
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.dflash import check_target
 from draftsmith.models.dspark import DSparkDrafter
 from draftsmith.models.native import load_drafter
 from draftsmith.models.target import find_model_dir
 from draftsmith.train.dflash import DFlashTraining
+
+log = logging.getLogger(__name__)
 
 
 class DSparkTraining(DFlashTraining):
@@ -38,3 +43,18 @@ class DSparkTraining(DFlashTraining):
 
     def loss_inputs(self, features: dict) -> tuple:
         return (features["logits"],)
+
+    def save(self, model, out_dir: Path) -> Path:
+        """The drafter, then SGLang's confidence calibration fitted on this run's held-out
+        rows (models/dspark_calibration.py), which the engine export passes on. A feature
+        cache loads only the target's ends, which cannot verify a block: no calibration then."""
+        from draftsmith.models.dspark_calibration import write_sts
+
+        folder = super().save(model, out_dir)
+        if self.cache is None:
+            path = write_sts(model.drafter, self.target, self.tokens_of(self.eval_data), folder,
+                             dataset=f"{out_dir} held-out rows")
+            log.info("confidence calibration: %s", path)
+        else:
+            log.info("no confidence calibration: data.feature_cache runs hold no full target to verify with")
+        return folder

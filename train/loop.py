@@ -28,13 +28,15 @@ from draftsmith.fsutil import (
     ensure_writable_dir,
     full_disk_reason,
     is_disk_full,
+    open_safetensors,
+    write_failure,
 )
 from draftsmith.logs import show_progress
 from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_name, saved_checkpoints
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs, set_fsdp_wrap_classes
 from draftsmith.train.method import build_method
-from draftsmith.train.run_folder import claim_run_folder, start_run
+from draftsmith.train.run_folder import claim_run_folder, resume_changes, start_run
 from draftsmith.train.schedule import check_schedule, make_scheduler, total_steps
 from draftsmith.train.tracking import check_tracking, start_trackers
 
@@ -146,7 +148,8 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, window: dict | None =
         if not isinstance(exc, OSError) and not is_disk_full(exc):
             raise
         previous = latest_checkpoint(out_dir)
-        reason = full_disk_reason(exc) if is_disk_full(exc) else exc.strerror or first_lines(exc, 1)
+        reason = (f"{write_failure(exc)}: {full_disk_reason(exc)}" if is_disk_full(exc)
+                  else exc.strerror or first_lines(exc, 1))
         raise DraftsmithError(f"cannot write the checkpoint of step {step} in {folder} ({reason}); "
                               + (f"the previous checkpoint {previous} is intact" if previous
                                  else "no earlier checkpoint exists")) from None
@@ -201,11 +204,33 @@ def stop_if_not_finite(accelerator, problem: str | None, step: int, out_dir: Pat
         bad = bool(accelerator.reduce(torch.tensor([float(bad)], device=accelerator.device), reduction="sum").item())
     if not bad:
         return
-    previous = latest_checkpoint(out_dir)
+    previous, bad = last_finite_checkpoint(out_dir)
     kept = (f"the last good checkpoint {previous} is kept (resume from it, e.g. with a lower train.lr)" if previous
-            else "no checkpoint had been saved")
+            else "no checkpoint with finite weights had been saved")
+    if bad:
+        kept += f"; the later {', '.join(p.name for p in bad)} hold NaN, infinite or unreadable weights"
     problem = problem or "loss or weights of another process are not finite"
     raise DraftsmithError(f"step {step}: the training {problem}; stopped, {kept}")
+
+
+def last_finite_checkpoint(out_dir: Path) -> tuple[Path | None, list[Path]]:
+    """The newest checkpoint whose saved weights are all finite, and the newer ones that are not:
+    a run stopped by a NaN names as good only a checkpoint that is (weights in safetensors files
+    are read; a checkpoint without any is taken as it is)."""
+    bad = []
+    for folder in reversed(saved_checkpoints(out_dir)):
+        if all(_finite_file(f) for f in sorted(folder.rglob("*.safetensors"))):
+            return folder, bad
+        bad.append(folder)
+    return None, bad
+
+
+def _finite_file(file: Path) -> bool:
+    try:
+        with open_safetensors(file) as f:
+            return all(not t.is_floating_point() or bool(t.isfinite().all()) for t in map(f.get_tensor, f.keys()))
+    except DraftsmithError:  # damaged since it was saved: no good either
+        return False
 
 
 def make_loaders(method, recipe: Recipe) -> tuple[DataLoader, DataLoader]:
@@ -242,6 +267,39 @@ def check_positions(recipe: Recipe) -> None:
         positions, where = t.max_position_embeddings, "target.max_position_embeddings"
     if positions and recipe.train.seq_len > positions:
         raise DraftsmithError(f"train.seq_len={recipe.train.seq_len} is beyond the {positions} positions of {where}")
+
+
+def check_method_shape(recipe: Recipe) -> None:
+    """The method's keys against the shape of a target at a path (its config.json alone), before
+    any data is prepared: the drafter config's `check_params` names the key (models/<method>.py)."""
+    from draftsmith.registry import config_class
+
+    check = getattr(config_class(recipe.method.name), "check_params", None)
+    if check is None or not recipe.target.path:
+        return
+    from draftsmith.models.target import find_model_dir
+
+    folder = find_model_dir(recipe.target.path)
+    if not (isinstance(folder, Path) and folder.is_dir()):
+        return
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception:  # noqa: BLE001 - a broken config: the target's own load names it
+        return
+    check(recipe.method.params, seq_len=recipe.train.seq_len, target_config=config)
+
+
+def say_what_is_off(recipe: Recipe) -> None:
+    """Settings a run takes as asked but that a user may not mean, said once at the start: with
+    train.lr=0 the weights never change (a dry run of the pipeline), and train.eval_batches=0
+    turns validation off (no val/ metrics are logged)."""
+    t = recipe.train
+    if t.lr == 0:
+        log.warning("train.lr=0: the weights will not change (a dry run); set train.lr to train")
+    if t.eval_batches == 0:
+        log.warning("train.eval_batches=0: validation is off, no val/ metrics will be logged")
 
 
 def _remove_empty(folder: Path) -> None:
@@ -286,7 +344,15 @@ def _train(recipe: Recipe, run: dict) -> Path:
     else:
         resume_from = Path(t.resume) if t.resume else None
     resume_step = check_checkpoint(resume_from) if resume_from is not None else 0
+    if resume_from is not None:  # a changed recipe is refused, or recorded with the step it took effect
+        changes = resume_changes(recipe, resume_from, resume_step)
+        if changes:
+            run = {**run, "changes": [*run.get("changes", []), *changes]}
+            log.info("resuming at step %d with %s", resume_step,
+                     "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in changes))
     check_positions(recipe)
+    check_method_shape(recipe)
+    say_what_is_off(recipe)
     check_launch(recipe.method.name)
     check_schedule(t.lr_schedule)
     check_tracking(recipe.tracking.report_to, recipe.tracking.mode)

@@ -46,11 +46,15 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     embedded default, whose prompts have no answers). Returns (source, plain_text)."""
     from accelerate import PartialState
 
+    from draftsmith.data.conversations import STDLIB_INSTRUCTIONS
     from draftsmith.data.regenerate import embedded_conversations, regenerate
     from draftsmith.processes import current_processes
 
     data = recipe.data
     embedded = data.dataset == "embedded"
+    if data.dataset == STDLIB_INSTRUCTIONS and not data.regenerate:
+        raise DraftsmithError(f"data.dataset {STDLIB_INSTRUCTIONS} holds prompts only: the target answers them "
+                              "(data.regenerate must be true)")
     if not embedded and not data.regenerate:
         return _dataset_file(recipe), False
     # Answers depend only on the target and these settings, so every drafter trained
@@ -107,8 +111,10 @@ def _dataset_settings(data) -> dict:
 
 
 def _load_dataset(data):
-    from draftsmith.data.conversations import load_conversations
+    from draftsmith.data.conversations import STDLIB_INSTRUCTIONS, instruction_conversations, load_conversations
 
+    if data.dataset == STDLIB_INSTRUCTIONS:
+        return instruction_conversations(data.num_conversations, data.prompt_chars)
     return load_conversations(data.dataset, config=data.dataset_config, split=data.dataset_split,
                               columns=data.columns)
 
@@ -231,7 +237,11 @@ class PostHocMethod(TrainMethod):
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
         """The training rows' token columns [N, T] without features (for a draft vocabulary)."""
-        return self.train_data.tokens if self.cache is not None else self.train_data[:]
+        return self.tokens_of(self.train_data)
+
+    def tokens_of(self, data) -> dict[str, torch.Tensor]:
+        """The token columns of the training or the held-out rows, cached or not."""
+        return data.tokens if self.cache is not None else data[:]
 
     def extract(self, out: TargetOutput) -> dict[str, torch.Tensor]:
         """What the loss reads of one target forward ([B, T, ...] each); a cache stores exactly this."""

@@ -73,6 +73,61 @@ def check_owner(recipe: Recipe, out_dir: Path) -> dict:
             "replaces": record.get("run_id") if held else None}
 
 
+# Keys a resume may change freely: when and how much is validated, saved, logged and tracked,
+# memory (gradient checkpointing), and where things are; none of them moves the trajectory.
+RESUME_FREE = {"train.output_dir", "train.resume", "train.overwrite", "train.resume_changes", "train.eval_every",
+               "train.eval_batches", "train.save_every", "train.keep_checkpoints", "train.log_every",
+               "train.dist_timeout", "train.gradient_checkpointing", "data.num_proc", "data.feature_cache",
+               "target.attn_implementation"}
+RESUME_FREE_SECTIONS = ("tracking.", "eval.")
+RESUME_LONGER = ("train.max_steps", "train.num_epochs")  # free upward: the run goes on further
+# Written back into recipe.yaml once resolved (unset: off where the template has the switch).
+RESUME_RESOLVED = ("data.enable_thinking",)
+_UNSET = "(unset)"
+
+
+def _flat_recipe(tree: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in tree.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def resume_changes(recipe: Recipe, checkpoint: Path, step: int) -> list[dict]:
+    """How `recipe` differs from the recipe of the run whose `checkpoint` it continues (that
+    run folder's recipe.yaml), each change as {step, key, was, now}. A change of what the run
+    trains on, its shapes or its trajectory (anything but `RESUME_FREE`, and a shorter run) is
+    refused unless train.resume_changes=allow: the run folder would otherwise record one recipe
+    for steps trained under two. The caller records the changes in run.json."""
+    import yaml
+
+    from draftsmith.recipe import recipe_to_dict
+
+    recorded = checkpoint.parent.parent / "recipe.yaml"
+    try:
+        old = _flat_recipe(yaml.safe_load(recorded.read_text()) or {})
+    except (OSError, yaml.YAMLError, AttributeError):  # no record to compare with (a bare checkpoint)
+        return []
+    new = _flat_recipe(recipe_to_dict(recipe))
+    changes, guarded = [], []
+    for key in sorted(old.keys() | new.keys()):
+        was, now = old.get(key, _UNSET), new.get(key, _UNSET)
+        if was == now or key in ("train.output_dir", "train.resume", "train.overwrite", "train.resume_changes"):
+            continue
+        if key in RESUME_RESOLVED and now is None:
+            continue
+        changes.append({"step": step, "key": key, "was": was, "now": now})
+        longer = key in RESUME_LONGER and isinstance(was, (int, float)) and isinstance(now, (int, float)) \
+            and (now >= was > 0)
+        if not (key in RESUME_FREE or key.startswith(RESUME_FREE_SECTIONS) or longer):
+            guarded.append(f"{key} from {was!r} to {now!r}")
+    if guarded and recipe.train.resume_changes != "allow":
+        more = f" (and {len(guarded) - 1} more: {'; '.join(guarded[1:])})" if len(guarded) > 1 else ""
+        raise DraftsmithError(f"cannot resume from {checkpoint}: the recipe changes {guarded[0]}{more} of the run it "
+                              f"continues ({recorded}), which changes what it trains on, its shapes or its "
+                              "trajectory; give the run's values, or set train.resume_changes=allow to continue "
+                              "with the change recorded in run.json")
+    return changes
+
+
 def set_aside_later_checkpoints(out_dir: Path, step: int) -> None:
     """A run resumed from step `step` of its folder abandons the trajectory past it: its later
     checkpoints move to ABANDONED, out of the rotation (which would keep them as the newest

@@ -1,0 +1,158 @@
+"""`eval --num-draft auto`: each drafter's D chosen from what it buys on this device.
+
+For every drafter, before it decodes the evaluation prompts:
+
+1. it decodes a calibration split (never the evaluated prompts: the embedded corpus's
+   validation split, whose test split eval scores; of a conversation dataset, the
+   conversations after the evaluated ones, first user turn each) twice: at a generous D
+   (`cap`, the largest d the choice may return), which gives its per-position acceptance
+   a_k = P(first k drafts accepted), and at D = 1; the decoder's per-step statistics time
+   the drafter (propose + commit) and the host work of a pass at both, and between and
+   beyond them the cost is taken as linear in d (one drafter pass per chained draft, one
+   head row per parallel one);
+2. the verify pass at each d comes from the latency table (`--latency-table`, written by
+   `draftsmith plan TARGET --measure` on this device; without one, eval measures one at the
+   calibration's context length first), interpolated at the calibration's mean context;
+3. D = argmax over d in 0 .. cap of E(d) / T(d), with E(d) = 1 + sum_{k<=d} a_k and
+   T(d) = T_verify(d) + T_draft(d) + host(d) (models/latency.py: best_draft). On a GPU the
+   cap is the tile rule's D (past it a verify pays a second tile); on a CPU, which has no
+   tile, it is the table's largest d. d = 0 (no drafts) wins where no length pays.
+
+The report keeps, per drafter, the chosen D, the tile rule's D and the whole curve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.latency import PAST_TILE, LatencyTable, best_draft, linear_cost, measure_latency
+
+AUTO = "auto"
+# Calibration prompts per drafter, decoded twice (at the cap and at D = 1).
+CALIBRATION_PROMPTS = 4
+
+
+@dataclass
+class AutoPlan:
+    table: LatencyTable
+    cap: int  # the largest D the choice may return; calibration drafts this many
+    tile_D: int
+    prompts: list[torch.Tensor]
+    split: str  # which prompts calibrate, in words
+    context: float  # mean KV length of a calibration pass: where the table is read
+    max_new_tokens: int  # per calibration prompt, as per evaluated one
+
+    def describe(self) -> dict:
+        data = self.table.data
+        return {"calibration": self.split, "calibration_prompts": len(self.prompts), "cap": self.cap,
+                "tile_rule_D": self.tile_D, "context": self.context,
+                "latency_table": {"source": self.table.source, "device": data["device"], "dtype": data["dtype"],
+                                  "attention": data["attention"], "contexts": data["contexts"],
+                                  "max_draft": self.table.max_draft}}
+
+
+def check_table_fits(table: LatencyTable, target, device: torch.device) -> None:
+    """A table measured for another target or device prices the wrong passes: refuse it."""
+    from draftsmith.models.target import target_shape
+
+    shape = target_shape(target.config)
+    mine = {"layers": shape.num_layers, "hidden": shape.hidden_size, "heads": shape.num_heads,
+            "kv_heads": shape.num_kv_heads, "vocab": shape.vocab_size}
+    theirs = {k: (table.data.get("shape") or {}).get(k) for k in mine}
+    if theirs != mine:
+        raise DraftsmithError(f"{table.source}: measured for a target of {theirs}, this one is {mine}")
+    if table.data.get("device_type") != device.type:
+        raise DraftsmithError(f"{table.source}: measured on {table.data.get('device')}, eval runs on {device.type}")
+
+
+def plan_auto(target, plan, prompts: list[torch.Tensor], split: str, max_new_tokens: int,
+              table_path: str = "", progress=None) -> AutoPlan:
+    """The latency table (read, or measured here at the calibration's context) and the cap."""
+    if not prompts:
+        raise DraftsmithError("eval --num-draft auto: no calibration prompts")
+    device = next(target.parameters()).device
+    context = sum(len(p) + max_new_tokens / 2 for p in prompts) / len(prompts)
+    if table_path:
+        table = LatencyTable.read(table_path)
+        check_table_fits(table, target, device)
+    else:
+        top = plan.D if device.type == "cuda" else plan.D + PAST_TILE
+        limit = getattr(target.config, "max_position_embeddings", None)
+        measured_at = max(1, round(context))
+        if limit is not None:
+            top = max(0, min(top, limit - measured_at - 1))
+        table = LatencyTable.check(measure_latency(target, [measured_at], top, reps=3, plan=plan,
+                                                   target="the eval target", progress=progress),
+                                   "latency table measured by eval")
+        table.source = "measured by this eval"
+    cap = min(table.max_draft, plan.D) if device.type == "cuda" else table.max_draft
+    return AutoPlan(table, cap, plan.D, prompts, split, context, max_new_tokens)
+
+
+def _per_pass(stats) -> tuple[list[float], float]:
+    """(acceptance per position, drafter + host ms per pass) of merged stats."""
+    passes = max(1, stats.verify_passes)
+    return stats.per_position_acceptance, 1000.0 * (stats.draft_s + stats.other_s) / passes
+
+
+def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: float) -> tuple[int, dict]:
+    """(D, what the report keeps) for one drafter; `make_decoder(num_draft)` builds its decoder
+    over a proposer of its own (so the evaluated one's counters start at zero)."""
+    from draftsmith.eval.evaluate import merge_stats
+
+    if auto.cap < 1:
+        return 0, {"chosen": 0, "tile_rule_D": auto.tile_D, "cap": auto.cap, "curve": []}
+    runs = {}
+    for d in sorted({auto.cap, 1}, reverse=True):
+        decoder = make_decoder(d)
+        decoder.generate(auto.prompts[0][:8], 4, sampling)  # warm-up
+        stats = []
+        for i, prompt in enumerate(auto.prompts):
+            generator = torch.Generator(device=decoder.device).manual_seed(seed + i)
+            stats.append(decoder.generate(prompt, auto.max_new_tokens, sampling, generator).stats)
+        runs[d] = _per_pass(merge_stats(stats))
+    acceptance, high = runs[auto.cap]
+    low = runs[1][1]
+    drafting = linear_cost((1, low), (auto.cap, high))
+
+    def pass_ms(d: int) -> float:
+        return auto.table.verify_ms(d, auto.context) + (drafting(d) if d else plain_host_ms)
+
+    choice = best_draft(acceptance, pass_ms, auto.cap)
+    return choice.num_draft, {
+        "chosen": choice.num_draft, "tile_rule_D": auto.tile_D, "cap": auto.cap,
+        "acceptance": acceptance, "draft_and_host_ms": {"1": low, str(auto.cap): high},
+        "plain_host_ms": plain_host_ms, "curve": choice.curve,
+    }
+
+
+def calibration_prompts(settings, source, tokenizer, context: int) -> tuple[list[torch.Tensor], str]:
+    """Prompts disjoint from the evaluated ones, and which they are in words."""
+    from draftsmith.eval.evaluate import Conversations, _check_context
+
+    count = settings.calibration_prompts
+    if not isinstance(source, Conversations):
+        from draftsmith.data.corpus import corpus_prompts
+
+        texts = corpus_prompts(count, max_chars=settings.prompt_chars, split="validation")
+        ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+        for i, row in enumerate(ids):
+            _check_context(row, settings, context, f"calibration prompt {i}")
+        return ([torch.tensor(row, dtype=torch.long) for row in ids],
+                f"{count} prompts of the embedded corpus's validation split (the evaluated ones are from its "
+                "test split)")
+    from draftsmith.eval.prompts import eval_conversations
+
+    first = len(source.turns)
+    rows = eval_conversations(settings.dataset, first + count)[first:]
+    if len(rows) < count:
+        raise DraftsmithError(f"eval --num-draft auto: dataset {settings.dataset} has {first + len(rows)} "
+                              f"conversations; after the {first} evaluated, {len(rows)} are left for the "
+                              f"{count} calibration prompts (lower --num-prompts)")
+    prompts = [source.prompt(turns[0], settings, f"calibration conversation {first + i}")
+               for i, turns in enumerate(rows)]
+    return prompts, (f"the first user turn of conversations {first + 1}..{first + count} of {settings.dataset} "
+                     f"(the evaluated ones are 1..{first})")
