@@ -187,6 +187,8 @@ def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target
     """The partial file is keyed on the target's weights, not its folder: no server is
     needed to see it, a stand-in client answers."""
     class Stand:
+        surrogates = 0  # ServerClient's count of lone surrogates replaced in its answers
+
         def __init__(self, url, target, tokenizer, plain, sampling, limits):
             self.sampling = sampling
 

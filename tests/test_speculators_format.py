@@ -57,6 +57,16 @@ def reference_model(out):
     optional = set(model._keys_to_ignore_on_load_missing) | set(model._keys_to_ignore_on_save)
     assert not stored - own, sorted(stored - own)  # nothing unexpected
     assert not own - stored - optional, sorted(own - stored - optional)  # nothing missing the verifier cannot fill
+    # What the folder leaves to the verifier (the embedding) is filled from it as speculators does
+    # (model.py `load_verifier_weights`, which fills a weight it finds NaN): from_pretrained leaves
+    # such a weight uninitialized, whatever memory held before.
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in own - stored:
+            if name in params:
+                params[name].fill_(float("nan"))
+    model.load_verifier_weights()
+    assert all(not p.isnan().any() for p in model.parameters())
     return model
 
 

@@ -58,7 +58,8 @@ class DFlashTraining(PostHocMethod):
 
         rows = [self.tokens_of(data)["input_ids"] for data in (self.train_data, self.eval_data)]
         mask_id, why = choose_mask_token(self.tokenizer, self.target.get_input_embeddings().num_embeddings, rows)
-        log.info("mask token: id %d, %s", mask_id, why)
+        own = self.tokenizer.mask_token_id is not None  # nothing was chosen: said only with -v
+        log.log(logging.DEBUG if own else logging.INFO, "mask token: id %d, %s", mask_id, why)
         return mask_id
 
     def extract(self, out):
