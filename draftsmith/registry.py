@@ -92,7 +92,10 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
         # DeepSeek-style targets only: engines run MTP just for architectures that declare it.
         # SGLang's NextN loader reads one module; vLLM's DeepSeekMTP all K.
         exports={"sglang": "draftsmith.models.export_mtp:export_sglang",
-                 "vllm": "draftsmith.models.export_mtp:export_vllm"},
+                 "vllm": "draftsmith.models.export_mtp:export_vllm",
+                 # Qwen3 targets: speculators' MTPDraftModel, module 1 (models/speculators_format.py)
+                 "speculators": "draftsmith.models.speculators_format:export_mtp"},
+        speculators_type="mtp",
         # Default: one row per draft, module k for draft k; mtp_nextn: module 1 for every draft (what
         # SGLang and vLLM run today); mtp_exact: DeepSeek's depths, recomputed.
         variants={"mtp_nextn": {"modules": 1}, "mtp_exact": {"mode": "exact"}},

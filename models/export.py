@@ -34,7 +34,7 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
     """Write the drafter of a training run (or a native drafter folder) in format `fmt`,
     its weights in `dtype` (default: the target's); a writer that writes a cost table from
     `plan --measure`'s latency table (SGLang's DSpark) takes `latency_table`."""
-    folder, method = _drafter_folder(run)
+    folder, method = _drafter_folder(run, fmt)
     formats = METHODS[method].exports if method in METHODS else {}
     if fmt not in formats:
         raise DraftsmithError(f"{run} holds a {method} drafter: --format must be one of {', '.join(formats)}"
@@ -53,11 +53,11 @@ def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: 
     from `latency_table` and the run's acceptance when both exist, models/latency.py)."""
     from draftsmith.models.serve import serve_commands
 
-    folder, method = _drafter_folder(run)
+    folder, method = _drafter_folder(run, fmt)
     if fmt == "native":
         return []  # draftsmith's own: `eval --drafter METHOD:DIR` reads it
     notes = []
-    if fmt == "speculators":
+    if fmt == "speculators" and method != "mtp":  # MTP's says why it has no serve line (mtp_note)
         from draftsmith.models.speculators_format import serve_note
 
         notes += [note] if (note := serve_note(written)) else []
@@ -66,9 +66,10 @@ def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: 
                      "load --format sglang|vllm (Qwen3DSparkModel) instead")
     if method == "mtp":
         from draftsmith.models.export_mtp import sglang_note
+        from draftsmith.models.speculators_format import mtp_note
 
         trained = (read_json(Path(written) / "config.json").get("draftsmith_mtp") or {}).get("modules_trained", 1)
-        note = sglang_note(trained) if fmt == "sglang" else None
+        note = sglang_note(trained) if fmt == "sglang" else mtp_note(written) if fmt == "speculators" else None
         notes += [note] if note else []
         target = None
     else:
@@ -84,7 +85,7 @@ def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: 
     return notes + (["serve it with:", *(f"  {c}" for c in commands)] if commands else [])
 
 
-def _drafter_folder(run: str | Path) -> tuple[Path, str]:
+def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, str]:
     folder = Path(find_model_dir(run))
     if not folder.is_dir():
         raise DraftsmithError(f"drafter {folder} not found")
@@ -99,7 +100,7 @@ def _drafter_folder(run: str | Path) -> tuple[Path, str]:
     if method == "mtp":  # engines load MTP only for DeepSeek-style targets: say so before any format
         from draftsmith.models.export_mtp import check_engine_layout
 
-        check_engine_layout(folder)
+        check_engine_layout(folder, fmt)
     return folder, method
 
 

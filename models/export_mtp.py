@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, open_safetensors, read_json, write_json
-from draftsmith.models.layouts import NATIVE, expect, identify
+from draftsmith.models.layouts import NATIVE, SPECULATORS, expect, identify
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
 
@@ -88,9 +88,15 @@ def _export(folder, out_dir, dtype: str | None, modules: int | None) -> Path:
     return write_deepseek(heads, target, folder, out_dir, modules=modules)
 
 
-def check_engine_layout(folder: Path) -> None:
-    """One line, for a target no engine runs MTP modules for."""
+def check_engine_layout(folder: Path, fmt: str = "") -> None:
+    """One line, for a target no engine runs MTP modules for (for `--format speculators`, one
+    that speculators' MTP class is not built for: models/speculators_format.py)."""
     config = read_json(folder / "config.json")
+    if fmt == "speculators":
+        from draftsmith.models.speculators_format import check_mtp_type
+
+        check_mtp_type(config, f"{folder}/config.json")
+        return
     if config.get("model_type") not in DEEPSEEK_TYPES:
         arch = (config.get("architectures") or [config.get("model_type")])[0]
         raise DraftsmithError(
@@ -147,6 +153,10 @@ def load_any(path: str | Path, target) -> MTPDrafter:
     if identify(path)[0] is None:
         mtp_dir(path)  # a model folder without MTP modules: says so in one line
     layout, config = expect(path, "mtp")
+    if layout == SPECULATORS:
+        from draftsmith.models.speculators_format import load
+
+        return load(path, "mtp", target)
     # MTP modules are built from their target's own decoder layer and norms: against a target
     # of another family they cannot even be built (GPT-2 has no rms_norm_eps).
     family, theirs = config.get("model_type"), getattr(target.config, "model_type", None)

@@ -34,6 +34,9 @@ from draftsmith.models.target import cache_kwarg, decoder_layers, decoder_module
 MTP_DIR = "mtp"  # the MTP modules sit in this subfolder of the saved target
 
 
+CHAIN_INPUTS = ("hidden", "normed")  # MTPConfig.chain_input
+
+
 @dataclass
 class MTPConfig:
     num_depths: int = option(2, "K: MTP modules, depth k predicting the token k + 1 ahead")
@@ -42,6 +45,12 @@ class MTPConfig:
     lambda_early: float = option(0.3, "lambda, the MTP loss weight, before lambda_switch")
     lambda_late: float = option(0.1, "lambda from lambda_switch on")
     lambda_switch: float = option(0.67, "fraction of max_steps at which lambda drops")
+    # What a module passes to the next depth: DeepSeek-V3 (and vLLM's DeepSeekMTP, SGLang's NextN)
+    # its block's output; speculators' MTPDraftModel and vLLM's Qwen3-Next MTP the output after
+    # the module's final norm (shared_head.norm). Drafts past the first depend on it.
+    chain_input: str = option("hidden", "what depth k + 1 reads of depth k: hidden, the block's output "
+                                        "(DeepSeek-V3, SGLang, vLLM DeepSeekMTP); normed, after shared_head.norm "
+                                        "(speculators, vLLM Qwen3-Next MTP)")
 
     @classmethod
     def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
@@ -50,6 +59,8 @@ class MTPConfig:
         positive(params, ("lambda_early", "lambda_late", "lambda_switch"), low=0)
         if params.get("lambda_switch", 0) > 1:
             raise DraftsmithError(f"method.lambda_switch: a fraction of the run, at most 1; got {params['lambda_switch']}")
+        if params.get("chain_input", "hidden") not in CHAIN_INPUTS:
+            raise DraftsmithError(f"method.chain_input: one of {', '.join(CHAIN_INPUTS)}, got {params['chain_input']!r}")
 
 
 class RMSNorm(nn.Module):
@@ -134,6 +145,10 @@ class MTPDrafter(nn.Module):
     @property
     def num_depths(self) -> int:
         return len(self.layers)
+
+    def next_input(self, layer: "MTPLayer", out: torch.Tensor) -> torch.Tensor:
+        """What the next depth reads of `layer`'s block output `out` (MTPConfig.chain_input)."""
+        return layer.shared_head.norm(out) if getattr(self.config, "chain_input", "hidden") == "normed" else out
 
     def native_state(self) -> dict[str, torch.Tensor]:
         return deepseek_names(self.state_dict())
@@ -226,7 +241,7 @@ def mtp_forward(heads: MTPDrafter, target: nn.Module, input_ids: torch.Tensor,
         mask = causal_mask(target.config._attn_implementation, length, 0, prev)
         hidden = layer(embed(input_ids[:, k:]), prev[:, :length], rope, attention_mask=mask, position_ids=positions)
         logits.append(head(layer.shared_head.norm(hidden)))
-        prev = hidden
+        prev = heads.next_input(layer, hidden)
     return logits
 
 

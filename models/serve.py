@@ -47,6 +47,8 @@ def serve_commands(method: str, out_dir: str | Path, target: str | Path | None,
     out = str(out_dir)
     config = read_json(Path(out_dir) / "config.json")
     if method == "mtp":
+        if "speculators_model_type" in config:  # a Qwen3 target's: vLLM serves none (speculators_format.py)
+            return []
         target = out
     if target is None:
         return []

@@ -31,8 +31,18 @@ algos.py is what serving reads; tests/test_parity.py restates it):
   (B - 1 drafts; our anchor_is_context, the frozen-backbone "DFlash + refiner"). vLLM 0.33.0
   serves both (`dspark_bonus_anchor = not sample_from_anchor`) but defaults the key to false
   where speculators' DSpark config defaults it to true, so it is always written.
-MTP is not written: vLLM 0.33.0's mapping has no "mtp" entry (nothing serves the layout), and
-speculators' MTP class is one module of the Qwen3 family only.
+- MTP: speculators' `MTPDraftModel` (models/mtp/{config,core,model_definitions}.py) is one
+  module (`num_nextn_predict_layers` must be 1), built for Qwen3-family verifiers only
+  (`mtp_model_classes`: qwen3, qwen3_next, qwen3_5), chained for every draft and fed the
+  verifier's hidden state at `num_hidden_layers` (transformers' last hidden state, after the
+  final norm: what ours reads). Its `transformer_layer_config` is the verifier's own config;
+  names `mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}` are
+  DeepSeek's `enorm, hnorm, eh_proj, shared_head.norm` (the same [embedding; hidden] order),
+  the block under the decoder layer's names. So module 1 of a Qwen3 target's run is written
+  (a K-module run says so), as SGLang's NextN layout does. vLLM serves speculators MTP folders
+  for Qwen3-Next and MiMo verifiers only (vllm/transformers_utils/configs/speculators/algos.py
+  `update_mtp`, which takes the verifier's architectures): for a Qwen3 target the folder is
+  for speculators and our decoder, and export prints no serve line.
 
 Precision: weights and `torch_dtype` in the target's dtype unless `--dtype` (models/export.py).
 """
@@ -130,6 +140,72 @@ def _export_block(folder, out_dir, dtype: str | None, method: str) -> Path:
     return _write(out_dir, config, drafter.state_dict(), out_dtype)
 
 
+# transformer_layer_config model types whose MTP module speculators builds and we test against it
+# (qwen3_next and qwen3_5 are hybrid or multimodal: their MTP layer index differs, not written yet).
+MTP_TYPES = ("qwen3",)
+# speculators' MTP layer names -> DeepSeek's (our native names; the block keeps its own names)
+_MTP_NAMES = (("token_layernorm.", "enorm."), ("hidden_layernorm.", "hnorm."), ("input_proj.", "eh_proj."),
+              ("final_layernorm.", "shared_head.norm."))
+_MTP_PREFIX = "mtp_layers.0."
+
+
+def mtp_note(folder: str | Path) -> str:
+    """What a speculators MTP folder is for, and why a K-module run's holds module 1 alone."""
+    meta = read_json(Path(folder) / "config.json").get("draftsmith") or {}
+    trained = meta.get("modules_trained", 1)
+    kept = (f"wrote module 1 of {trained} (speculators' MTP holds one, chained for every draft, as mtp_nextn "
+            "drafts it here); " if trained > 1 else "")
+    if meta.get("chain_input", "hidden") != "normed":
+        kept += ("speculators chains the module on its normed output where this run trained DeepSeek's (the block's "
+                 "output): drafts past the first differ there (method.chain_input=normed trains its way); ")
+    return (kept + "speculators' MTPDraftModel reads this folder; vLLM serves speculators MTP folders only for "
+            "Qwen3-Next and MiMo verifiers, so no serve line for this target")
+
+
+def export_mtp(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """An MTP run's module 1 as speculators' `MTPDraftModel`, its verifier the run's target."""
+    from draftsmith.models.export import DTYPES, config_dtype
+    from draftsmith.models.mtp import mtp_dir
+    from draftsmith.models.native import load_drafter
+    from draftsmith.models.serve import REFERENCE_CHAIN_STEPS
+    from draftsmith.models.target import load_target
+    from draftsmith.models.tile import plan_tile, read_target_config
+
+    folder = Path(folder)
+    target_config = read_json(folder / "config.json")
+    check_mtp_type(target_config, f"{folder}/config.json")
+    target = load_target(folder)
+    heads = load_drafter(mtp_dir(folder), "mtp", target)
+    out_dtype = DTYPES[dtype] if dtype else config_dtype(target_config) or next(heads.parameters()).dtype
+    drafts = max(1, min(plan_tile(read_target_config(folder)).D, REFERENCE_CHAIN_STEPS))
+    config = {
+        **_header("mtp", ["MTPDraftModel"], drafts, folder, out_dtype),
+        "transformer_layer_config": _plain(target_config),
+        "num_nextn_predict_layers": 1,
+        "draftsmith": {"modules_trained": heads.num_depths, "modules_written": 1,
+                       "chain_input": getattr(heads.config, "chain_input", "hidden")},
+    }
+    weights = {}
+    for name, tensor in heads.state_dict().items():
+        layer, rest = name.removeprefix("layers.").split(".", 1)
+        if layer != "0":
+            continue
+        rest = rest.removeprefix("block.")
+        for theirs, ours in _MTP_NAMES:
+            if rest.startswith(ours):
+                rest = theirs + rest.removeprefix(ours)
+        weights[_MTP_PREFIX + rest] = tensor
+    return _write(out_dir, config, weights, out_dtype)
+
+
+def check_mtp_type(target_config: dict, source: str) -> None:
+    kind = target_config.get("model_type")
+    if kind not in MTP_TYPES:
+        raise DraftsmithError(f"{source}: the target is {kind}; speculators' MTP builds its module for "
+                              f"{', '.join(MTP_TYPES)} verifiers only (draftsmith writes the speculators MTP layout for "
+                              "those), so evaluate these MTP modules with eval --drafter mtp:RUN")
+
+
 def _header(kind: str, architectures: list[str], drafts: int, target: Path, dtype: torch.dtype) -> dict:
     from draftsmith.models.export import dtype_name
 
@@ -218,6 +294,8 @@ def load(path: str | Path, method: str, target) -> torch.nn.Module:
         raise DraftsmithError(f"{source}: transformer_layer_config must be the draft layer's config (a mapping)")
     weights = load_native_weights(path)
     try:
+        if method == "mtp":
+            return _read_mtp(meta, layer, weights, target, source)
         if method == "eagle3":
             return _read_eagle3(meta, layer, weights, target, source)
         return _read_block(meta, layer, weights, method, target, source)
@@ -344,3 +422,33 @@ def _read_block(meta, layer, weights, method, target, source):
     config = DSparkConfig(**fields, markov_rank=rank, block_convention=convention,
                           confidence_threshold=ours.get("confidence_threshold", DSparkConfig.confidence_threshold))
     return DSparkDrafter.from_native(config, weights, source=source.removesuffix("/config.json"))
+
+
+def _read_mtp(meta, layer, weights, target, source):
+    from draftsmith.models.mtp import MTPConfig, MTPDrafter
+
+    if target is None:
+        raise DraftsmithError(f"{source}: reading MTP modules needs the target they extend")
+    check_mtp_type(layer, f"{source} transformer_layer_config")
+    if int(meta.get("num_nextn_predict_layers", 1)) != 1:
+        raise DraftsmithError(f"{source}: num_nextn_predict_layers {meta['num_nextn_predict_layers']}; speculators' "
+                              "MTP holds one module")
+    mine = target.config
+    if (layer.get("hidden_size"), layer.get("num_hidden_layers")) != (mine.hidden_size, mine.num_hidden_layers):
+        raise DraftsmithError(f"{source}: an MTP module of a target with {layer.get('num_hidden_layers')} layers of "
+                              f"width {layer.get('hidden_size')}; the target has {mine.num_hidden_layers} of width "
+                              f"{mine.hidden_size}")
+    state = {}
+    for name, tensor in weights.items():
+        if not name.startswith(_MTP_PREFIX):
+            continue  # the verifier's embedding and head, where a folder carries them
+        rest = name.removeprefix(_MTP_PREFIX)
+        for theirs, ours in _MTP_NAMES:
+            if rest.startswith(theirs):
+                rest = ours + rest.removeprefix(theirs)
+        state[f"layers.0.{rest}"] = tensor
+    if not state:
+        raise DraftsmithError(f"{source}: no {_MTP_PREFIX}* tensors in model.safetensors")
+    # speculators chains the module on its normed output (core.py: mtp_output, after final_layernorm)
+    return MTPDrafter.from_native(MTPConfig(num_depths=1, chain_input="normed"), state, target,
+                                  source=source.removesuffix("/config.json"))

@@ -14,9 +14,10 @@ from draftsmith.models.mtp import MTPDrafter, mtp_forward
 from draftsmith.models.target import build_tiny_target, target_forward
 
 
-def tiny(arch, depths=2):
+def tiny(arch, depths=2, chain_input="hidden"):
     target = build_tiny_target(arch=arch, vocab_size=61, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=1)
     heads = MTPDrafter.for_target(target, depths)
+    heads.config.chain_input = chain_input
     with torch.no_grad():
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -28,6 +29,7 @@ def reference_drafts(heads, target, committed, drafts):
     the last module, as the drafter does."""
     chained = MTPDrafter.__new__(MTPDrafter)
     nn.Module.__init__(chained)
+    chained.config = heads.config  # chain_input: what each depth passes on
     chained.layers = nn.ModuleList([heads.layers[min(m, 2) - 1] for m in range(1, len(drafts) + 1)])
     seq = torch.cat([committed, drafts[:-1]])[None]
     h0 = target_forward(target, seq, capture=[1]).hidden[1]
@@ -36,9 +38,9 @@ def reference_drafts(heads, target, committed, drafts):
     return [int(lg[0, n - 2].argmax()) for lg in logits]  # depth m at position n - 2
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_drafts_follow_deepseek_depth_semantics_across_steps(arch):
-    target, heads = tiny(arch)
+@pytest.mark.parametrize("arch, chain_input", [("llama", "hidden"), ("qwen3", "hidden"), ("qwen3", "normed")])
+def test_drafts_follow_deepseek_depth_semantics_across_steps(arch, chain_input):
+    target, heads = tiny(arch, chain_input=chain_input)
     drafter = MTPProposer(heads, target, mode="exact")
     ids = torch.randint(0, 61, (14,))
     prompt = ids[:6]
@@ -82,8 +84,8 @@ def commit(proposer, target, ids, n, accepted):
     return n + accepted + 1
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_chain_agrees_with_exact_depths_where_it_must(arch):
+@pytest.mark.parametrize("arch, chain_input", [("llama", "hidden"), ("qwen3", "hidden"), ("qwen3", "normed")])
+def test_engine_chain_agrees_with_exact_depths_where_it_must(arch, chain_input):
     """K = 3, six drafts, sampled (each q compared), over the same commits in both modes.
 
     Draft 1: both read the target's hidden state h^0_{n-2} and t_{n-1} through depth 1's
@@ -92,7 +94,7 @@ def test_engine_chain_agrees_with_exact_depths_where_it_must(arch):
     only draft-reading row at depth 2 is that query row itself, so they must agree too.
     Draft 3 (still <= K): exact depth 3 also attends to its row at n - 3, which reads draft
     1; the engine never computes it, so the two differ, as they may past K."""
-    target, heads = tiny(arch, depths=3)
+    target, heads = tiny(arch, depths=3, chain_input=chain_input)
     ids = torch.randint(0, 61, (30,), generator=torch.Generator().manual_seed(1))
     engine, exact = MTPProposer(heads, target), MTPProposer(heads, target, mode="exact")
     sampling = SamplingParams(temperature=1.0)

@@ -26,6 +26,7 @@ from test_exports import (  # noqa: F401 (fixtures)
     dflash,
     dspark,
     eagle3,
+    mtp_run,
     one_line_error,
     target,
     target_dir,
@@ -60,12 +61,14 @@ def reference_model(out):
     # What the folder leaves to the verifier (the embedding) is filled from it as speculators does
     # (model.py `load_verifier_weights`, which fills a weight it finds NaN): from_pretrained leaves
     # such a weight uninitialized, whatever memory held before.
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in own - stored:
-            if name in params:
-                params[name].fill_(float("nan"))
-    model.load_verifier_weights()
+    # (MTPDraftModel loads them in from_pretrained already, and drops verifier_lm_head on the way.)
+    if hasattr(model, "verifier_lm_head"):
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name in own - stored:
+                if name in params:
+                    params[name].fill_(float("nan"))
+        model.load_verifier_weights()
     assert all(not p.isnan().any() for p in model.parameters())
     return model
 
@@ -308,3 +311,71 @@ def test_bad_speculators_input_is_one_line_and_writes_nothing(target, target_dir
     native = save_drafter(dflash(target), tmp_path / "dflash-native", extra={"target": str(target_dir)})
     one_line_error(lambda: export_run(native, "deepspec", tmp_path / "x"), "--format must be one of")
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- MTP
+
+def test_mtp_export_runs_in_speculators_as_our_module_one_chained(target, tmp_path, capsys):
+    """speculators' MTPDraftModel (models/mtp/core.py) chains one module for every step, fed the
+    verifier's hidden state at `num_hidden_layers` (its target_layer_ids): transformers' last
+    hidden state, after the final norm, which is what ours reads (the last layer's output
+    through the norm). Step 1 equals our module 1; later steps read the module's normed output
+    (chain_input normed), which is how the folder reads back here, and not DeepSeek's chaining."""
+    from speculators.models.mtp import MTPDraftModel
+
+    from draftsmith.cli import main
+    from draftsmith.models.mtp import MTPDrafter, mtp_forward
+    from draftsmith.models.target import decoder_layers
+
+    run = mtp_run(tmp_path, target, "qwen3")  # two modules: module 1 is written, and said so
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "speculators", "--out", str(tmp_path / "spec")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("wrote module 1 of 2") == 1 and "no serve line" in printed and "vllm serve" not in printed
+    assert "drafts past the first differ there" in printed  # this run chained DeepSeek's way
+    out = tmp_path / "spec"
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "mtp" and config["num_nextn_predict_layers"] == 1
+    assert config["transformer_layer_config"]["num_hidden_layers"] == target.config.num_hidden_layers
+    model = reference_model(out)
+    assert isinstance(model, MTPDraftModel) and model.target_layer_ids == [target.config.num_hidden_layers]
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    last = []
+    hook = decoder_layers(target)[-1].register_forward_hook(lambda m, a, o: last.append(o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        fed = target(ids, output_hidden_states=True).hidden_states[target.config.num_hidden_layers]
+        hook.remove()
+        theirs, _, _ = model(input_ids=ids, hidden_states=fed)
+        read = proposer_from_arg(f"mtp:{out}", target).heads
+        assert read.num_depths == 1 and read.config.chain_input == "normed"
+        chained = {}
+        for way in ("hidden", "normed"):
+            chained[way] = MTPDrafter.for_target(target, len(theirs))
+            chained[way].layers = torch.nn.ModuleList([read.layers[0]] * len(theirs))
+            chained[way].config.chain_input = way
+            chained[way] = mtp_forward(chained[way], target, ids, last[0])
+    assert len(theirs) == 3  # the references' chain, within the tile rule
+    for step, logits in enumerate(theirs):
+        torch.testing.assert_close(logits, chained["normed"][step][:, : logits.shape[1]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(theirs[0], chained["hidden"][0][:, : theirs[0].shape[1]], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(theirs[1], chained["hidden"][1][:, : theirs[1].shape[1]], atol=1e-3)
+    # Read back here, the folder drafts as speculators chains it: its first draft is the run's.
+    prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(0))
+    from test_exports import drafts
+
+    run_first = drafts(proposer_from_arg(f"mtp_nextn:{run}", target), target, prompt, n=1)[0]
+    assert torch.equal(drafts(proposer_from_arg(f"mtp:{out}", target), target, prompt, n=1)[0], run_first)
+
+
+def test_a_speculators_mtp_folder_for_another_target_or_family_is_one_line(target, tmp_path):
+    from draftsmith.models.target import build_tiny_target, freeze
+
+    llama = freeze(build_tiny_target(seed=1, arch="llama", vocab_size=VOCAB, num_layers=2, hidden_size=64,
+                                     num_heads=4, num_kv_heads=2))
+    one_line_error(lambda: export_run(mtp_run(tmp_path, llama, "llama"), "speculators", tmp_path / "x"),
+                   "speculators' MTP builds its module for qwen3 verifiers only")
+    assert not (tmp_path / "x").exists()
+    out = export_run(mtp_run(tmp_path, target, "qwen3"), "speculators", tmp_path / "spec")
+    shallow = freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=2, hidden_size=64,
+                                       num_heads=4, num_kv_heads=2))
+    one_line_error(lambda: proposer_from_arg(f"mtp:{out}", shallow), "an MTP module of a target with 6 layers")

@@ -126,7 +126,7 @@ class MTPProposer:
         start, stop = depth.settled, max(0, n - m)
         if stop <= start:
             return
-        prev = self.hidden[start:stop] if m == 1 else self.depths[m - 2].outputs[start:stop]
+        prev = self.hidden[start:stop] if m == 1 else self._next_input(self.depths[m - 2], self.depths[m - 2].outputs[start:stop])
         out = self._run(depth, start, prev, self.tokens[start + m: stop + m])
         depth.outputs = out if depth.outputs is None else torch.cat([depth.outputs, out])
 
@@ -148,6 +148,10 @@ class MTPProposer:
         drafts, probs = pick(max_nodes, sampling, generator)
         return Draft(torch.stack(drafts), None, torch.stack(probs) if probs else None)
 
+    def _next_input(self, depth: _Depth, out: torch.Tensor) -> torch.Tensor:
+        """What the next draft depth reads of `depth`'s outputs (MTPConfig.chain_input)."""
+        return self.heads.next_input(depth.layer, out)
+
     def _draw(self, depth: _Depth, last: torch.Tensor, sampling, generator, drafts: list, probs: list) -> None:
         token, q = draw(self.head(depth.layer.shared_head.norm(last)), sampling, generator)
         if q is not None:
@@ -164,7 +168,8 @@ class MTPProposer:
             m = min(s, K)
             depth = self._depth(m, n)
             position = n - 2 + (s - m)  # n - 2 up to K; past K, module K one position further each draft
-            last = self._run(depth, position, last[None], drafts[-1][None])[-1]
+            prev = self._next_input(self.depths[min(s - 1, K) - 1], last)
+            last = self._run(depth, position, prev[None], drafts[-1][None])[-1]
             self._draw(depth, last, sampling, generator, drafts, probs)
         return drafts, probs
 
@@ -181,7 +186,7 @@ class MTPProposer:
                 lo = max(0, n - m)
                 upper = self.depths[m - 2]
                 settled = [] if upper.outputs is None else [upper.outputs[lo: upper.settled]]
-                prev = torch.cat(settled + [below])
+                prev = self._next_input(upper, torch.cat(settled + [below]))
                 below = self._run(depth, lo, prev, torch.stack(drafts[lo + m - n:]))
                 last = below[-1]
             self._draw(depth, last, sampling, generator, drafts, probs)
