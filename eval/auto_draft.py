@@ -129,9 +129,15 @@ def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: flo
     }
 
 
-def calibration_prompts(settings, source, tokenizer, context: int) -> tuple[list[torch.Tensor], str]:
-    """Prompts disjoint from the evaluated ones, and which they are in words."""
-    from draftsmith.eval.evaluate import Conversations, _check_context
+def calibration_prompts(settings, source, tokenizer, context: int, target=None, eos=None) -> tuple[list[torch.Tensor], str]:
+    """Prompts disjoint from the evaluated ones, and which they are in words. Of a conversation
+    dataset, every turn of the calibration conversations, each after the target's own greedy
+    answers to the turns before it, as eval decodes the evaluated ones (a later turn often asks
+    to rework an answer, which is where copying drafters earn their keep: first turns alone
+    would calibrate them low)."""
+    import dataclasses
+
+    from draftsmith.eval.evaluate import Conversations, _check_context, decode_conversations
 
     count = settings.calibration_prompts
     if not isinstance(source, Conversations):
@@ -152,7 +158,11 @@ def calibration_prompts(settings, source, tokenizer, context: int) -> tuple[list
         raise DraftsmithError(f"eval --num-draft auto: dataset {settings.dataset} has {first + len(rows)} "
                               f"conversations; after the {first} evaluated, {len(rows)} are left for the "
                               f"{count} calibration prompts (lower --num-prompts)")
-    prompts = [source.prompt(turns[0], settings, f"calibration conversation {first + i}")
-               for i, turns in enumerate(rows)]
-    return prompts, (f"the first user turn of conversations {first + 1}..{first + count} of {settings.dataset} "
-                     f"(the evaluated ones are 1..{first})")
+    from draftsmith.eval.decoder import SpeculativeDecoder
+    from draftsmith.eval.proposers.base import GREEDY, NoProposer
+
+    plain = SpeculativeDecoder(target, NoProposer(), num_draft=0, eos_token_id=eos)
+    prompts, _, _ = decode_conversations(plain, dataclasses.replace(source, turns=rows), settings, GREEDY,
+                                         "calibration turns")
+    return prompts, (f"every turn of conversations {first + 1}..{first + count} of {settings.dataset}, after the "
+                     f"target's greedy answers (the evaluated ones are 1..{first})")

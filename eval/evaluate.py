@@ -213,7 +213,7 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     # A verify pass writes num_draft positions past the last committed token.
     context = target.config.max_position_embeddings - num_draft
     source, eos = _source(target, tokenizer, settings, context)
-    auto_plan = _plan_auto(target, plan, settings, source, tokenizer, context, num_draft) if auto else None
+    auto_plan = _plan_auto(target, plan, settings, source, tokenizer, context, num_draft, eos) if auto else None
     proposers = [proposer_from_arg(arg, target, settings.proposer_options)  # fail before any decoding
                  for arg in settings.drafters]
 
@@ -234,13 +234,13 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     return runs
 
 
-def _plan_auto(target, plan, settings: EvalSettings, source, tokenizer, context: int, room: int):
+def _plan_auto(target, plan, settings: EvalSettings, source, tokenizer, context: int, room: int, eos=None):
     """The calibration prompts and the latency table of --num-draft auto (eval/auto_draft.py)."""
     import logging
 
     from draftsmith.eval.auto_draft import calibration_prompts, plan_auto
 
-    prompts, split = calibration_prompts(settings, source, tokenizer, context)
+    prompts, split = calibration_prompts(settings, source, tokenizer, context, target, eos)
     log = logging.getLogger(__name__)
     auto = plan_auto(target, plan, prompts, split, settings.max_new_tokens, settings.latency_table, log.info)
     auto.cap = min(auto.cap, room)

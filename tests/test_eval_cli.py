@@ -161,6 +161,20 @@ def test_num_draft_auto_picks_each_drafters_d_from_its_calibration(runs, tmp_pat
     assert "--num-draft auto" in md and "num_draft.png" in md and (out / "num_draft.png").stat().st_size > 0
 
 
+def test_num_draft_auto_calibrates_on_every_turn_of_conversations_after_the_evaluated(runs, tmp_path):
+    """Later turns (rework the answer) are where copying drafters accept: calibrating on first
+    turns alone would price them low. Each calibration conversation is decoded as eval decodes
+    one, every turn after the target's own answers to the turns before it."""
+    table = _latency_table(runs, tmp_path, [1.0] * 40)
+    data = tmp_path / "two_turns.jsonl"
+    data.write_text("".join(json.dumps({"turns": [f"question {i}", "say it again"]}) + "\n" for i in range(4)))
+    out = tmp_path / "auto"
+    assert main(eval_args(runs, out, "--drafter", "ngram", "--num-draft", "auto", "--dataset", str(data),
+                          "--num-prompts", "1", "--calibration-prompts", "2", "--latency-table", str(table))) == 0
+    how = json.loads((out / "report.json").read_text())["num_draft_auto"]
+    assert how["calibration"].startswith("every turn of conversations 2..3") and how["calibration_prompts"] == 4
+
+
 def test_num_draft_auto_refuses_a_table_of_another_target_or_device(runs, tmp_path, capsys):
     for table, message in ((_latency_table(runs, tmp_path, [1.0] * 40, layers=99), "measured for a target"),
                            (_latency_table(runs, tmp_path, [1.0] * 41, device_type="cuda"), "measured on test")):
