@@ -60,8 +60,13 @@ def test_bench_train_prints_its_table(tmp_path):
 def test_gpu_check_dry_run_writes_its_report(tmp_path):
     run(["bash", "scripts/gpu_check.sh", "--cpu-dry-run"], OUT=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "decoder_acceptance.png", "decoder_speedup.png", "gpu_check.log", "gpu_check.md", "verify.json", "verify.png"]
+        "decoder_acceptance.png", "decoder_speedup.png", "gpu_check.log", "gpu_check.md", "plan_G4", "verify.json",
+        "verify.png"]
     report = (tmp_path / "gpu_check.md").read_text()
+    for g in (4,):  # the dry run measures one grouping (a GPU all four); D = 128 // G - 1, d = 0 .. 4 timed
+        table = json.loads((tmp_path / f"plan_G{g}" / "latency.json").read_text())
+        assert table["tile"]["G"] == g and table["tile"]["D"] == 128 // g - 1 and table["drafts"] == [0, 1, 2, 3, 4]
+        assert f"- G={g}, context 64: largest rise" in report
     assert "skipped" in report.split("## pytest -m gpu")[1].split("##")[0]  # GPU tests collected, skipped
     edges, sweep, decoder, train = md_tables(report)
     assert [row["G"] for row in edges] == ["4", "8", "16"]
