@@ -105,15 +105,22 @@ def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: flo
 
     if auto.cap < 1:
         return 0, {"chosen": 0, "tile_rule_D": auto.tile_D, "cap": auto.cap, "curve": []}
-    runs = {}
+    runs, records = {}, None
     for d in sorted({auto.cap, 1}, reverse=True):
         decoder = make_decoder(d)
+        # A drafter that can end its draft early (DSpark's confidence head) drafts whole blocks
+        # while it records, and each pass at the cap prices every threshold.
+        recording = hasattr(decoder.proposer, "choose_threshold")
+        if recording:
+            decoder.proposer.confidence_records = []
         decoder.generate(auto.prompts[0][:8], 4, sampling)  # warm-up
         stats = []
         for i, prompt in enumerate(auto.prompts):
             generator = torch.Generator(device=decoder.device).manual_seed(seed + i)
             stats.append(decoder.generate(prompt, auto.max_new_tokens, sampling, generator).stats)
         runs[d] = _per_pass(merge_stats(stats))
+        if recording and d == auto.cap:
+            records = decoder.proposer.confidence_records
     acceptance, high = runs[auto.cap]
     low = runs[1][1]
     drafting = linear_cost((1, low), (auto.cap, high))
@@ -122,11 +129,19 @@ def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: flo
         return auto.table.verify_ms(d, auto.context) + (drafting(d) if d else plain_host_ms)
 
     choice = best_draft(acceptance, pass_ms, auto.cap)
-    return choice.num_draft, {
-        "chosen": choice.num_draft, "tile_rule_D": auto.tile_D, "cap": auto.cap,
-        "acceptance": acceptance, "draft_and_host_ms": {"1": low, str(auto.cap): high},
-        "plain_host_ms": plain_host_ms, "curve": choice.curve,
-    }
+    row = {"chosen": choice.num_draft, "tile_rule_D": auto.tile_D, "cap": auto.cap,
+           "acceptance": acceptance, "draft_and_host_ms": {"1": low, str(auto.cap): high},
+           "plain_host_ms": plain_host_ms, "curve": choice.curve,
+           "predicted_tokens_per_s": choice.at(choice.num_draft)["tokens_per_s"]}
+    if records is None:
+        return choice.num_draft, row
+    # The draft length and the confidence threshold chosen together; the evaluated proposer
+    # takes the threshold through `options`.
+    pair = decoder.proposer.choose_threshold(records, pass_ms, auto.cap)
+    row.update(chosen=pair["num_draft"], confidence_threshold=pair["confidence_threshold"],
+               predicted_tokens_per_s=pair["tokens_per_s"],
+               threshold_curve=pair["curve"], options={"confidence_threshold": pair["confidence_threshold"]})
+    return pair["num_draft"], row
 
 
 def calibration_prompts(settings, source, tokenizer, context: int, target=None, eos=None) -> tuple[list[torch.Tensor], str]:

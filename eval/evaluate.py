@@ -306,6 +306,8 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
             plain_host = _per_pass_ms(base_stats, base_stats.other_s)
             chosen, auto_row = choose(lambda d: SpeculativeDecoder(target, calibrating, num_draft=d, **cache),
                                       auto, sampling, settings.seed, plain_host)
+        for option, value in (auto_row or {}).get("options", {}).items():  # chosen with D (DSpark's threshold)
+            setattr(proposer, option, value)
         decoder = SpeculativeDecoder(target, proposer, num_draft=chosen, **cache)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)

@@ -380,13 +380,19 @@ def _auto_section(results: dict) -> list[str]:
              f"({table.get('source', '?')}: {table.get('device', '?')}, {table.get('dtype', '?')}, "
              f"{table.get('attention', '?')}) at context {how.get('context', 0):.0f}. D maximises expected tokens/s "
              "= E(d) / T(d), E(d) = 1 + sum_{k<=d} a_k, T(d) = T_verify(d) + T_draft(d) + host.", "",
-             "| drafter | chosen D | predicted tokens/s | tile rule D | predicted tokens/s at it | measured tokens/s |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "A drafter that can end a draft early (DSpark's confidence head) gets D and its confidence "
+             "threshold together: each calibration pass is priced at the draft length the threshold leaves.", "",
+             "| drafter | chosen D | threshold | predicted tokens/s | tile rule D | predicted tokens/s at it "
+             "(no threshold) | measured tokens/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for d in rows:
         auto = d["num_draft_auto"]
         curve = {p["d"]: p for p in auto["curve"]}
         at = lambda k: f"{curve[k]['tokens_per_s']:.1f}" if k in curve else "-"  # noqa: E731
-        lines.append(f"| {d['name']} | {auto['chosen']} | {at(auto['chosen'])} | {auto['tile_rule_D']} | "
+        threshold = auto.get("confidence_threshold")
+        predicted = auto.get("predicted_tokens_per_s")
+        lines.append(f"| {d['name']} | {auto['chosen']} | {'-' if threshold is None else f'{threshold:g}'} | "
+                     f"{'-' if predicted is None else f'{predicted:.1f}'} | {auto['tile_rule_D']} | "
                      f"{at(auto['tile_rule_D'])} | {d['tokens_per_s']:.1f} |")
     return lines + ["", f"![expected tokens/s against drafts]({AUTO_PLOT})", ""]
 

@@ -235,6 +235,35 @@ def best_draft(acceptance: list[float], pass_ms, max_draft: int) -> DraftChoice:
     return DraftChoice(best["d"], curve)
 
 
+# Thresholds `best_threshold` tries: DeepSpec's rule compares the confidence sigmoid with them.
+THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20))
+
+
+def best_threshold(records: list[tuple[list[float], int]], pass_ms, max_draft: int) -> dict:
+    """DSpark's draft length and confidence threshold maximising expected tokens/s: each
+    recorded pass (the draft's confidences, the drafts accepted) would draft L = the drafts
+    before the first confidence below the threshold (at most d) and commit 1 + min(accepted,
+    L), at pass_ms(L). Returns the best pair and, per threshold, its best d (the curve)."""
+    if not records:
+        return {"num_draft": 0, "confidence_threshold": 0.0, "tokens_per_s": 0.0, "curve": []}
+    curve = []
+    for threshold in THRESHOLDS:
+        best = None
+        for d in range(min(max_draft, max(len(c) for c, _ in records)) + 1):
+            tokens = ms = 0.0
+            for confidences, accepted in records:
+                length = next((k for k, c in enumerate(confidences[:d]) if c < threshold), min(d, len(confidences)))
+                tokens += 1 + min(accepted, length)
+                ms += pass_ms(length)
+            point = {"d": d, "tokens_per_s": 1000.0 * tokens / ms, "expected_tokens": tokens / len(records)}
+            if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
+                best = point
+        curve.append({"confidence_threshold": threshold, **best})
+    top = max(curve, key=lambda p: (p["tokens_per_s"], -p["confidence_threshold"]))
+    return {"num_draft": top["d"], "confidence_threshold": top["confidence_threshold"],
+            "tokens_per_s": top["tokens_per_s"], "curve": curve}
+
+
 def linear_cost(at_low: tuple[int, float], at_high: tuple[int, float]):
     """d -> ms through two measured points (d, ms), 0 at d = 0 (nothing drafted), never
     negative: a drafter's cost per pass between and beyond the draft lengths it was timed at."""

@@ -175,6 +175,31 @@ def test_num_draft_auto_calibrates_on_every_turn_of_conversations_after_the_eval
     assert how["calibration"].startswith("every turn of conversations 2..3") and how["calibration_prompts"] == 4
 
 
+def test_num_draft_auto_chooses_dsparks_threshold_with_its_d(runs, tmp_path):
+    """DSpark's confidence head can end a draft early: auto prices each calibration pass at the
+    length every threshold would leave, picks the pair, and the evaluated drafter uses it."""
+    from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
+    from draftsmith.models.native import save_drafter
+    from draftsmith.models.target import load_target
+
+    target = load_target(runs / "mtp" / "model")
+    config = DSparkConfig.from_target(target.config, mask_token_id=3, num_layers=1, num_context_layers=1,
+                                      block_size=5, markov_rank=4, confidence_threshold=0.97)  # not on the grid
+    native = save_drafter(DSparkDrafter(config), tmp_path / "dspark", extra={"target": str(runs / "mtp" / "model")})
+    table = _latency_table(runs, tmp_path, [1.0 + 0.5 * d for d in range(40)])
+    out = tmp_path / "auto"
+    assert main(eval_args(runs, out, "--drafter", f"dspark:{native}", "--num-draft", "auto",
+                          "--latency-table", str(table), "--calibration-prompts", "2")) == 0
+    row = json.loads((out / "report.json").read_text())["drafters"][0]
+    auto = row["num_draft_auto"]
+    assert [p["confidence_threshold"] for p in auto["threshold_curve"]] == [round(0.05 * i, 2) for i in range(20)]
+    best = max(auto["threshold_curve"], key=lambda p: p["tokens_per_s"])
+    assert auto["predicted_tokens_per_s"] == best["tokens_per_s"] and auto["chosen"] == row["num_draft"]
+    # what the evaluated drafter used (its checkpoint's own 0.97 is not on the grid)
+    assert row["extra"]["confidence_threshold"] == auto["confidence_threshold"] != 0.97
+    assert "| threshold |" in (out / "report.md").read_text()
+
+
 def test_num_draft_auto_refuses_a_table_of_another_target_or_device(runs, tmp_path, capsys):
     for table, message in ((_latency_table(runs, tmp_path, [1.0] * 40, layers=99), "measured for a target"),
                            (_latency_table(runs, tmp_path, [1.0] * 41, device_type="cuda"), "measured on test")):

@@ -162,3 +162,21 @@ def test_export_prints_the_chain_the_rule_chooses(tmp_path, capsys):
                  "--latency-table", str(tmp_path / "lat0.0")]) == 0
     out = capsys.readouterr().out
     assert "--speculative-num-steps 3 " in out and "no validation acceptance" in out
+
+
+def test_best_threshold_drafts_long_where_confidence_says_it_pays():
+    """Two kinds of pass: confident drafts all accepted, unconfident ones all rejected. A fixed
+    length pays for the second kind's drafts; a threshold between their confidences drafts
+    the first kind fully and the second not at all, which no fixed length can."""
+    from draftsmith.models.latency import best_threshold
+
+    records = [([0.9, 0.9, 0.9, 0.9], 4), ([0.1, 0.1, 0.1, 0.1], 0)] * 3
+    choice = best_threshold(records, lambda length: 10.0 + 2.0 * length, max_draft=4)
+    assert choice["num_draft"] == 4 and choice["confidence_threshold"] == 0.15  # the lowest that stops the second
+    fixed = next(p for p in choice["curve"] if p["confidence_threshold"] == 0.0)
+    assert fixed["d"] == 4 and abs(fixed["tokens_per_s"] - 1000 * 6 / 36) < 1e-9  # (5 + 1) tokens in 18 + 18 ms
+    assert abs(choice["tokens_per_s"] - 1000 * 6 / 28) < 1e-9  # the second kind's pass costs 10 ms, not 18
+    # Past what the drafts' confidences say, nothing pays: no drafting at all is kept.
+    assert best_threshold([([0.5, 0.5], 0)] * 2, lambda length: 10.0 + 5.0 * length, 2)["num_draft"] == 0
+    assert best_threshold([], lambda length: 1.0, 4) == {"num_draft": 0, "confidence_threshold": 0.0,
+                                                       "tokens_per_s": 0.0, "curve": []}
