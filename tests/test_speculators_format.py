@@ -146,6 +146,19 @@ def block_inputs(target, drafter, anchor=7, length=16, seed=0):
     return feats, ids, loss_mask, target.get_input_embeddings()(block)
 
 
+def same_backbone(model, drafter, target, size: int, anchor: int = 7):
+    """speculators' block forward at one anchor against ours on the same inputs: equal hidden
+    states; returns (their hidden states, their logits, ours, the input ids)."""
+    feats, ids, loss_mask, embeds = block_inputs(target, drafter, anchor)
+    with torch.no_grad():
+        hidden, logits, _, _, _ = model._backbone_forward(
+            feats, ids, loss_mask, torch.randn(1, ids.shape[1], 64), torch.zeros_like(ids), max_anchors=1)
+        ours = drafter(embeds, torch.arange(anchor, anchor + size)[None],
+                       drafter.context_kv(feats[:, :anchor], torch.arange(anchor)[None]))
+    torch.testing.assert_close(hidden, ours, rtol=1e-5, atol=1e-5)
+    return hidden, logits, ours, ids
+
+
 @pytest.mark.parametrize("kind", ["dflash", "dspark", "dspark_context"])
 def test_block_exports_run_in_speculators_as_ours(kind, target, target_dir, tmp_path):
     drafter = {"dflash": lambda: dflash(target), "dspark": lambda: dspark(target, block_size=6),
@@ -154,13 +167,8 @@ def test_block_exports_run_in_speculators_as_ours(kind, target, target_dir, tmp_
     model = reference_model(out)
     assert list(model.target_layer_ids) == [i + 1 for i in drafter.config.target_layer_ids]
     anchor, size = 7, drafter.config.block_size
-    feats, ids, loss_mask, embeds = block_inputs(target, drafter, anchor)
+    hidden, logits, ours, ids = same_backbone(model, drafter, target, size, anchor)
     with torch.no_grad():
-        hidden, logits, _, _, _ = model._backbone_forward(
-            feats, ids, loss_mask, torch.randn(1, ids.shape[1], 64), torch.zeros_like(ids), max_anchors=1)
-        ours = drafter(embeds, torch.arange(anchor, anchor + size)[None],
-                       drafter.context_kv(feats[:, :anchor], torch.arange(anchor)[None]))
-        torch.testing.assert_close(hidden, ours, rtol=1e-5, atol=1e-5)
         head = target.get_output_embeddings()
         torch.testing.assert_close(logits, head(ours), rtol=1e-5, atol=1e-5)  # the verifier's head, reloaded
         if kind == "dflash":
@@ -177,13 +185,8 @@ def test_block_exports_run_in_speculators_as_ours(kind, target, target_dir, tmp_
     assert model.config.sample_from_anchor is (drafter.first_prediction_slot == 0)
 
 
-def test_eagle3_export_runs_in_speculators_as_ours(target, target_dir, tmp_path):
-    drafter = eagle3(target)
-    _, out = exported(drafter, target_dir, tmp_path, "eagle3")
-    model = reference_model(out)
-    assert model.config.norm_before_residual is False and model.draft_vocab_size == 96
-    assert torch.equal(model.d2t, drafter.d2t) and torch.equal(model.t2d, drafter.t2d)
-    length = 8
+def same_eagle3_logits(model, drafter, length: int = 8) -> None:
+    """speculators' EAGLE-3 forward (one TTT step) and our drafter step give the same logits."""
     feats = torch.randn(1, length, 3 * 64, generator=torch.Generator().manual_seed(1))
     ids = torch.randint(0, MASK, (1, length), generator=torch.Generator().manual_seed(2))
     captured = []
@@ -193,6 +196,15 @@ def test_eagle3_export_runs_in_speculators_as_ours(target, target_dir, tmp_path)
               position_ids=torch.arange(length)[None], ttt_steps=1)
         hidden = drafter.step(ids, drafter.fuse(feats), torch.arange(length)[None], DraftKV())
         torch.testing.assert_close(captured[0], drafter.logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_export_runs_in_speculators_as_ours(target, target_dir, tmp_path):
+    drafter = eagle3(target)
+    _, out = exported(drafter, target_dir, tmp_path, "eagle3")
+    model = reference_model(out)
+    assert model.config.norm_before_residual is False and model.draft_vocab_size == 96
+    assert torch.equal(model.d2t, drafter.d2t) and torch.equal(model.t2d, drafter.t2d)
+    same_eagle3_logits(model, drafter)
 
 
 # ---------------------------------------------------------------- their folders read here
@@ -229,14 +241,7 @@ def test_a_block_drafter_saved_by_speculators_reads_and_drafts_here(kind, target
     proposer = proposer_from_arg(f"{kind}:{tmp_path / 'theirs'}", target)
     drafter = proposer.drafter
     assert drafter.config.target_layer_ids == [1, 4] and drafter.drafts_per_block == (6 if kind == "dspark" else 5)
-    anchor, size = 7, 6
-    feats, ids, loss_mask, embeds = block_inputs(target, drafter, anchor)
-    with torch.no_grad():
-        hidden, logits, _, _, _ = model._backbone_forward(
-            feats, ids, loss_mask, torch.randn(1, ids.shape[1], 64), torch.zeros_like(ids), max_anchors=1)
-        ours = drafter(embeds, torch.arange(anchor, anchor + size)[None],
-                       drafter.context_kv(feats[:, :anchor], torch.arange(anchor)[None]))
-    torch.testing.assert_close(hidden, ours, rtol=1e-5, atol=1e-5)
+    same_backbone(model, drafter, target, size=6)
 
 
 def test_an_eagle3_drafter_saved_by_speculators_reads_and_drafts_here(target, target_dir, tmp_path):
@@ -250,16 +255,7 @@ def test_an_eagle3_drafter_saved_by_speculators_reads_and_drafts_here(target, ta
     model.save_pretrained(tmp_path / "theirs")
     drafter = proposer_from_arg(f"eagle3:{tmp_path / 'theirs'}", target).drafter
     assert drafter.config.target_layer_ids == [1, 3, 4]
-    length = 8
-    feats = torch.randn(1, length, 3 * 64, generator=torch.Generator().manual_seed(1))
-    ids = torch.randint(0, MASK, (1, length), generator=torch.Generator().manual_seed(2))
-    captured = []
-    model.lm_head.register_forward_hook(lambda module, args, output: captured.append(output))
-    with torch.no_grad():
-        model.eval()(hidden_states=feats, input_ids=ids, document_ids=torch.zeros_like(ids),
-                     position_ids=torch.arange(length)[None], ttt_steps=1)
-        hidden = drafter.step(ids, drafter.fuse(feats), torch.arange(length)[None], DraftKV())
-    torch.testing.assert_close(captured[0], drafter.logits(hidden), rtol=1e-5, atol=1e-5)
+    same_eagle3_logits(model.eval(), drafter)
 
 
 # ---------------------------------------------------------------- round trip, serve line, bad input
