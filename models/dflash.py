@@ -463,7 +463,7 @@ class DFlashDrafter(nn.Module):
         # mask included, not only the prefix (DSpark keeps DeepSpec's prefix). The loss parity
         # test (tests/test_loss_parity.py) holds us to it.
         ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(blocks.in_data)
-        loss = weighted_mean(ce, draft_weights(self.config, ce, blocks.in_data))
+        loss = draft_reduction(self.config, ce, blocks.in_data)(ce)
         metrics = {"ce": float(loss.detach()), **greedy_metrics(logits.argmax(-1), blocks),
                    **position_means("ce", ce, blocks.label_mask)}
         return loss, metrics
@@ -576,12 +576,19 @@ def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.T
     return (smooth.cumprod(-1) * m).flip(-1).cumsum(-1).flip(-1)
 
 
-def draft_weights(config: DFlashConfig, ce: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The loss weight of each supervised draft (`mask` [..., drafts]) by
-    `config.position_weights`: DFlash's fixed decay, or D-PACE from the drafts' own ce."""
+def draft_reduction(config: DFlashConfig, ce: torch.Tensor, mask: torch.Tensor):
+    """values [..., drafts] -> the scalar loss term, by `config.position_weights` over the
+    supervised drafts (`mask`): DFlash's fixed decay, sum(v * w) / sum(w) (SpecForge's
+    `loss_den = loss_weights.sum()`); or D-PACE's weights from the drafts' own ce, sum(v * w) /
+    (drafts supervised), as speculators 0.9.0 reduces it (losses/utils.py `loss_function`:
+    the masked, decayed sum over `loss_mask.sum()`). SpecForge 0.2.0 divides its D-PACE sum by
+    the batch size instead, a scale that varies with the anchors a batch holds."""
     if config.position_weights == "dpace":
-        return mask * dpace_weights(ce, mask, config.dpace_alpha)
-    return mask * position_weights(config.drafts_per_block, config.gamma, ce.device)
+        weights = mask * dpace_weights(ce, mask, config.dpace_alpha)
+        count = mask.float().sum().clamp_min(1e-6)
+        return lambda values: (values * weights).sum() / count
+    weights = mask * position_weights(config.drafts_per_block, config.gamma, ce.device)
+    return lambda values: weighted_mean(values, weights)
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

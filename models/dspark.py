@@ -42,9 +42,9 @@ from draftsmith.fields import option, positive
 from draftsmith.models.dflash import (
     DFlashConfig,
     DFlashDrafter,
+    draft_reduction,
     greedy_metrics,
     position_means,
-    position_weights,
     weighted_mean,
 )
 
@@ -237,9 +237,9 @@ class DSparkDrafter(DFlashDrafter):
         blocks = self.sample_blocks(input_ids, loss_mask, generator, anchors)
         hidden = self.training_hidden(target_hidden, blocks, embed)
         logits = self.refined_logits(head(hidden).float(), blocks.prev_tokens)
-        weights = blocks.label_mask * position_weights(self.drafts_per_block, cfg.gamma, logits.device)
-
-        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(weights)
+        ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(blocks.label_mask)
+        # DFlash's decay or D-PACE from these drafts' own CE (method.position_weights), on the prefix DeepSpec trains
+        reduce = draft_reduction(cfg, ce, blocks.label_mask)
         # Draft j of anchor a is the token at a + j, which the target predicts at a + j - 1.
         rows = (blocks.anchors[..., None] + torch.arange(self.drafts_per_block, device=logits.device))
         rows = rows.clamp_max(target_logits.shape[1] - 1)
@@ -250,7 +250,7 @@ class DSparkDrafter(DFlashDrafter):
         confidence = self.confidence_logits(hidden, blocks.prev_tokens).float()
         bce = F.binary_cross_entropy_with_logits(confidence, accept, reduction="none")
 
-        parts = {name: weighted_mean(value, weights) for name, value in (("ce", ce), ("tv", tv), ("bce", bce))}
+        parts = {name: reduce(value) for name, value in (("ce", ce), ("tv", tv), ("bce", bce))}
         loss = cfg.ce_weight * parts["ce"] + cfg.tv_weight * parts["tv"] + cfg.bce_weight * parts["bce"]
         metrics = {name: float(value.detach()) for name, value in parts.items()}
         metrics.update(greedy_metrics(logits.argmax(-1), blocks))

@@ -66,7 +66,7 @@ def keep_and_zero(anchors):
 
 # ---------------------------------------------------------------- DFlash vs SpecForge
 
-def specforge_trainer(drafter, target, tmp_path, dspark=False):
+def specforge_trainer(drafter, target, tmp_path, dspark=False, **options):
     """SpecForge's OnlineDFlashModel (or OnlineDSparkModel) around its DFlashDraftModel (or
     DSparkDraftModel) loaded with our weights, set as ours is."""
     family = reference("specforge.algorithms.common.dflash_family_model")
@@ -88,7 +88,7 @@ def specforge_trainer(drafter, target, tmp_path, dspark=False):
         trainer = family.OnlineDSparkModel(**common, dspark_ce_loss_alpha=c.ce_weight,
                                            dspark_l1_loss_alpha=c.tv_weight, dspark_confidence_head_alpha=c.bce_weight)
     else:
-        trainer = family.OnlineDFlashModel(**common)
+        trainer = family.OnlineDFlashModel(**common, **options)
     # Their anchors are drawn inside forward from the global RNG; the same anchors go in here.
     trainer._sample_anchor_positions = lambda seq_len, loss_mask, device: keep_and_zero(ANCHORS)
     return trainer
@@ -115,6 +115,56 @@ def test_dflash_loss_equals_specforge_online_dflash_model(target, tmp_path):
     # The same function of the weights, not only the same value.
     ours.backward()
     theirs.backward()
+    assert_same_grads(drafter, trainer.draft_model)
+
+
+def test_dpace_weights_and_reduction_are_speculators(tmp_path):
+    """D-PACE (method.position_weights=dpace) on identical per-draft CE and masks: our weights
+    are speculators 0.9.0's `dpace_loss_decay` and our loss its `loss_function` (the masked,
+    weighted sum over the supervised drafts), imported from its wheel."""
+    from functools import partial
+
+    from speculators.losses import dpace_loss_decay
+    from speculators.losses.eager import ce_loss
+    from speculators.losses.utils import loss_function
+
+    from draftsmith.models.dflash import draft_reduction, dpace_weights
+
+    anchors, block, vocab = 6, 5, 50
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, anchors * block, vocab, generator=gen)
+    labels = torch.randint(0, vocab, (1, anchors * block), generator=gen)
+    mask = (torch.rand(1, anchors * block, generator=gen) > 0.25).float()
+    mask[0, -block:] = 0  # a block with nothing supervised
+    targets = F.one_hot(labels, vocab).float() * 20  # speculators' ce_loss takes the argmax as label
+    decay = partial(dpace_loss_decay, loss_mask=mask, block_size=block, dpace_alpha=0.5)
+    theirs = loss_function(logits, targets, mask, torch.arange(anchors * block)[None] % block, loss_fn=ce_loss,
+                           decay_fn=decay)
+    ce = F.cross_entropy(logits[0], labels[0], reduction="none").view(anchors, block)
+    m = mask.view(anchors, block)
+    their_weights = dpace_loss_decay(None, mask, block, 0.5, elementwise_loss=(ce * m).view(1, -1))
+    torch.testing.assert_close(m * dpace_weights(ce, m, 0.5), their_weights.view(anchors, block), rtol=RTOL, atol=0)
+    config = types.SimpleNamespace(position_weights="dpace", dpace_alpha=0.5)
+    torch.testing.assert_close(draft_reduction(config, ce, m)(ce), theirs, rtol=RTOL, atol=1e-7)
+
+
+def test_dflash_dpace_loss_is_specforges_over_the_drafts_not_the_batch(target, tmp_path):
+    """SpecForge 0.2.0's OnlineDFlashModel with loss_type dpace weights each draft as ours does
+    (its `_dpace_weight`) but divides the sum by the batch size, where speculators and ours
+    divide by the drafts supervised: the same loss and gradients up to that one factor."""
+    drafter = dflash(target).train()
+    drafter.config.position_weights = "dpace"
+    trainer = specforge_trainer(drafter, target, tmp_path, loss_type="dpace", dpace_alpha=drafter.config.dpace_alpha)
+    feats, ids, loss_mask = loss_inputs(len(drafter.config.target_layer_ids) * target.config.hidden_size)
+    theirs, _, _ = trainer(input_ids=ids, hidden_states=feats, loss_mask=loss_mask)
+    ours, _ = drafter.loss(feats, ids, loss_mask, target.get_input_embeddings(),
+                           target.get_output_embeddings(), anchors=ANCHORS)
+    blocks = drafter.sample_blocks(ids, loss_mask, None, ANCHORS)
+    supervised = float(blocks.in_data.sum())
+    rescaled = theirs * ids.shape[0] / supervised
+    torch.testing.assert_close(ours, rescaled, rtol=RTOL, atol=0)
+    ours.backward()
+    rescaled.backward()
     assert_same_grads(drafter, trainer.draft_model)
 
 
