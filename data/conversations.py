@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
-import sys
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 
 Conversation = list[dict[str, str]]
+
+log = logging.getLogger(__name__)
 
 SHAPES = ("turns", "conversations", "messages", "prompt")
 # Role names as written in the file -> OpenAI roles.
@@ -122,8 +124,8 @@ def _clean(conversations: list[Conversation], path) -> None:
                 first = index
             count += n
     if count:
-        print(f"draftsmith: {path}: replaced {count} lone UTF-16 surrogate(s) (invalid text, first in conversation "
-              f"{first}) with U+FFFD", file=sys.stderr)
+        log.warning("draftsmith: %s: replaced %d lone UTF-16 surrogate(s) (invalid text, first in conversation %d) "
+                    "with U+FFFD", path, count, first)
 
 
 def _all_messages(records: list[dict], path) -> list[Conversation]:
@@ -142,8 +144,8 @@ def _all_messages(records: list[dict], path) -> list[Conversation]:
         if not conversations:
             raise DraftsmithError(f"{path}: every record has a role that maps to none of user, assistant, system: "
                                   f"{roles}")
-        print(f"draftsmith: {path}: skipped {n} of {len(records)} records with a role that maps to none of "
-              f"user, assistant, system: {roles}", file=sys.stderr)
+        log.warning("draftsmith: %s: skipped %d of %d records with a role that maps to none of user, assistant, "
+                    "system: %s", path, n, len(records), roles)
     return conversations
 
 

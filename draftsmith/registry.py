@@ -73,7 +73,21 @@ _NATIVE_EXPORT = "draftsmith.models.export:export_native"
 # (deepspec/utils/optim.py, the same AdamW and CosineAnnealingWarmupLR with eta_min 0).
 _SPECFORGE_OPTIMIZER = {"adam_beta2": 0.999, "min_lr_ratio": 0.0}
 
-METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
+def method_table(*specs: MethodSpec) -> dict[str, MethodSpec]:
+    """name -> spec; two specs of one name are refused (a dict would keep the last silently),
+    and so is a variant that shadows a method or another variant's --drafter name."""
+    table: dict[str, MethodSpec] = {}
+    names: set[str] = set()
+    for spec in specs:
+        for name in (spec.name, *spec.variants):
+            if name in names:
+                raise ValueError(f"draftsmith.registry: the name {name!r} is registered twice")
+            names.add(name)
+        table[spec.name] = spec
+    return table
+
+
+METHODS: dict[str, MethodSpec] = method_table(
     MethodSpec(
         "ngram", "prompt lookup: copies the continuation of the latest matching n-gram (no training)",
         proposer="draftsmith.eval.proposers.ngram:load_proposer", needs_path=False,
@@ -145,7 +159,7 @@ METHODS: dict[str, MethodSpec] = {spec.name: spec for spec in (
             help="dspark: end a draft before the first position whose confidence is below C, in [0, 1] "
                  "(default: the checkpoint's; 0 drafts the full block)"),),
     ),
-)}
+)
 
 
 def import_ref(ref: str, what: str) -> Any:

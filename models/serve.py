@@ -74,7 +74,10 @@ def serve_commands(method: str, out_dir: str | Path, target: str | Path | None,
         if config.get("num_nextn_predict_layers") == 1:  # SGLang's NextN loads one module
             lines.insert(0, f"{SGLANG} {common} --speculative-algorithm EAGLE {chain}")
         return lines
-    block = int((config.get("dflash_config") or {}).get("block_size") or config["block_size"])
+    block = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
+    if block is None:  # no layout of a block drafter: no engine line known for it (not a KeyError after the export)
+        return []
+    block = int(block)
     draft = f"--speculative-draft-model-path {shlex.quote(out)}"
     if method == "dflash":
         return [f"{SGLANG} {common} --speculative-algorithm DFLASH {draft} --speculative-num-draft-tokens {block}",

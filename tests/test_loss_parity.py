@@ -128,7 +128,7 @@ def test_dpace_weights_and_reduction_are_speculators(tmp_path):
     from speculators.losses.eager import ce_loss
     from speculators.losses.utils import loss_function
 
-    from draftsmith.models.dflash import draft_reduction, dpace_weights
+    from draftsmith.models.dflash import dpace_weights, draft_reduction
 
     anchors, block, vocab = 6, 5, 50
     gen = torch.Generator().manual_seed(0)

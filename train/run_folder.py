@@ -11,9 +11,9 @@ under way the folder's lock file keeps a second process out (draftsmith/fsutil.p
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -28,6 +28,8 @@ RUN_FILE = "run.json"
 ABANDONED = "abandoned"  # checkpoints past the step a run was resumed from
 # What a run writes in its folder; `train.overwrite` removes exactly these.
 RUN_OUTPUTS = (CHECKPOINTS, ABANDONED, "model", "metrics.jsonl", "logs", "wandb", "tracking.json", "recipe.yaml", RUN_FILE)
+
+log = logging.getLogger(__name__)
 
 
 def held_run(out_dir: Path) -> list[str]:
@@ -142,8 +144,8 @@ def set_aside_later_checkpoints(out_dir: Path, step: int) -> None:
         if dest.exists():  # set aside by an earlier resume too: keep both
             dest = aside / f"{folder.name}-{uuid.uuid4().hex[:6]}"
         os.rename(folder, dest)
-    print(f"draftsmith: resumed at step {step}; the later checkpoints {', '.join(p.name for p in later)} "
-          f"of the abandoned trajectory are kept in {aside}", file=sys.stderr, flush=True)
+    log.warning("draftsmith: resumed at step %d; the later checkpoints %s of the abandoned trajectory are kept in %s",
+                step, ", ".join(p.name for p in later), aside)
 
 
 def start_run(out_dir: Path, record: dict, overwrite: bool, resume_step: int | None = None) -> None:
@@ -153,8 +155,7 @@ def start_run(out_dir: Path, record: dict, overwrite: bool, resume_step: int | N
         set_aside_later_checkpoints(out_dir, resume_step)
     held = held_run(out_dir) if overwrite else []
     if held:
-        print(f"draftsmith: train.overwrite: removing the run in {out_dir} ({', '.join(held)})",
-              file=sys.stderr, flush=True)
+        log.warning("draftsmith: train.overwrite: removing the run in %s (%s)", out_dir, ", ".join(held))
         for name in RUN_OUTPUTS:
             path = out_dir / name
             if path.is_dir() and not path.is_symlink():
@@ -173,6 +174,5 @@ def claim_run_folder(recipe: Recipe) -> Iterator[dict]:
     lock = folder_lock(out_dir, "train.output_dir") if main else contextlib.nullcontext()
     with lock as ended:
         if ended:
-            print(f"draftsmith: taking over the lock of process {ended} in {out_dir}, which has ended",
-                  file=sys.stderr, flush=True)
+            log.warning("draftsmith: taking over the lock of process %s in %s, which has ended", ended, out_dir)
         yield check_owner(recipe, out_dir)
