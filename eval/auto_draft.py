@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.latency import PAST_TILE, LatencyTable, best_draft, linear_cost, measure_latency
+from draftsmith.models.latency import (
+    PAST_TILE,
+    LatencyTable,
+    best_draft,
+    best_threshold,
+    linear_cost,
+    measure_latency,
+)
 
 AUTO = "auto"
 # Calibration prompts per drafter, decoded twice (at the cap and at D = 1).
@@ -43,7 +50,6 @@ class AutoPlan:
     prompts: list[torch.Tensor]
     split: str  # which prompts calibrate, in words
     context: float  # mean KV length of a calibration pass: where the table is read
-    max_new_tokens: int  # per calibration prompt, as per evaluated one
 
     def describe(self) -> dict:
         data = self.table.data
@@ -89,7 +95,7 @@ def plan_auto(target, plan, prompts: list[torch.Tensor], split: str, max_new_tok
                                    "latency table measured by eval")
         table.source = "measured by this eval"
     cap = min(table.max_draft, plan.D) if device.type == "cuda" else table.max_draft
-    return AutoPlan(table, cap, plan.D, prompts, split, context, max_new_tokens)
+    return AutoPlan(table, cap, plan.D, prompts, split, context)
 
 
 def _per_pass(stats) -> tuple[list[float], float]:
@@ -98,10 +104,11 @@ def _per_pass(stats) -> tuple[list[float], float]:
     return stats.per_position_acceptance, 1000.0 * (stats.draft_s + stats.other_s) / passes
 
 
-def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: float) -> tuple[int, dict]:
+def choose(make_decoder, auto: AutoPlan, sampling, settings, plain_host_ms: float) -> tuple[int, dict]:
     """(D, what the report keeps) for one drafter; `make_decoder(num_draft)` builds its decoder
-    over a proposer of its own (so the evaluated one's counters start at zero)."""
-    from draftsmith.eval.evaluate import merge_stats
+    over a proposer of its own (so the evaluated one's counters start at zero). The calibration
+    prompts are decoded as eval decodes its own (`decode_prompts`, seeded per prompt)."""
+    from draftsmith.eval.evaluate import decode_prompts, merge_stats
 
     if auto.cap < 1:
         return 0, {"chosen": 0, "tile_rule_D": auto.tile_D, "cap": auto.cap, "curve": []}
@@ -109,15 +116,12 @@ def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: flo
     for d in sorted({auto.cap, 1}, reverse=True):
         decoder = make_decoder(d)
         # A drafter that can end its draft early (DSpark's confidence head) drafts whole blocks
-        # while it records, and each pass at the cap prices every threshold.
-        recording = hasattr(decoder.proposer, "choose_threshold")
+        # while it records, and each pass at the cap prices every threshold (best_threshold).
+        recording = hasattr(decoder.proposer, "confidence_records")
         if recording:
             decoder.proposer.confidence_records = []
         decoder.generate(auto.prompts[0][:8], 4, sampling)  # warm-up
-        stats = []
-        for i, prompt in enumerate(auto.prompts):
-            generator = torch.Generator(device=decoder.device).manual_seed(seed + i)
-            stats.append(decoder.generate(prompt, auto.max_new_tokens, sampling, generator).stats)
+        stats, _ = decode_prompts(decoder, auto.prompts, settings, sampling, f"calibrate {decoder.proposer.name} D={d}")
         runs[d] = _per_pass(merge_stats(stats))
         if recording and d == auto.cap:
             records = decoder.proposer.confidence_records
@@ -137,7 +141,7 @@ def choose(make_decoder, auto: AutoPlan, sampling, seed: int, plain_host_ms: flo
         return choice.num_draft, row
     # The draft length and the confidence threshold chosen together; the evaluated proposer
     # takes the threshold through `options`.
-    pair = decoder.proposer.choose_threshold(records, pass_ms, auto.cap)
+    pair = best_threshold(records, pass_ms, auto.cap)
     row.update(chosen=pair["num_draft"], confidence_threshold=pair["confidence_threshold"],
                predicted_tokens_per_s=pair["tokens_per_s"],
                threshold_curve=pair["curve"], options={"confidence_threshold": pair["confidence_threshold"]})
@@ -152,17 +156,11 @@ def calibration_prompts(settings, source, tokenizer, context: int, target=None, 
     would calibrate them low)."""
     import dataclasses
 
-    from draftsmith.eval.evaluate import Conversations, _check_context, decode_conversations
+    from draftsmith.eval.evaluate import Conversations, decode_conversations, prompt_ids
 
     count = settings.calibration_prompts
     if not isinstance(source, Conversations):
-        from draftsmith.data.corpus import corpus_prompts
-
-        texts = corpus_prompts(count, max_chars=settings.prompt_chars, split="validation")
-        ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
-        for i, row in enumerate(ids):
-            _check_context(row, settings, context, f"calibration prompt {i}")
-        return ([torch.tensor(row, dtype=torch.long) for row in ids],
+        return (prompt_ids(tokenizer, settings, context, count, split="validation", which="calibration prompt"),
                 f"{count} prompts of the embedded corpus's validation split (the evaluated ones are from its "
                 "test split)")
     from draftsmith.eval.prompts import eval_conversations

@@ -65,14 +65,16 @@ class EvalSettings:
     enable_thinking: bool | None = None  # None: off where the template has the switch
 
 
-def prompt_ids(tokenizer, settings: EvalSettings, context: int) -> list[torch.Tensor]:
-    """Token ids of the embedded default's prompts: held-out corpus prefixes as plain text."""
+def prompt_ids(tokenizer, settings: EvalSettings, context: int, count: int | None = None, split: str = "test",
+               which: str = "prompt") -> list[torch.Tensor]:
+    """Token ids of the embedded default's prompts: held-out corpus prefixes as plain text
+    (`count` of them, default settings.num_prompts, from the corpus's `split`)."""
     from draftsmith.data.corpus import corpus_prompts
 
-    texts = corpus_prompts(settings.num_prompts, max_chars=settings.prompt_chars)
+    texts = corpus_prompts(count or settings.num_prompts, max_chars=settings.prompt_chars, split=split)
     ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     for i, row in enumerate(ids):
-        _check_context(row, settings, context, f"prompt {i}")
+        _check_context(row, settings, context, f"{which} {i}")
     return [torch.tensor(row, dtype=torch.long) for row in ids]
 
 
@@ -305,7 +307,7 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
             calibrating = proposer_from_arg(arg, target, settings.proposer_options)  # its own counters
             plain_host = _per_pass_ms(base_stats, base_stats.other_s)
             chosen, auto_row = choose(lambda d: SpeculativeDecoder(target, calibrating, num_draft=d, **cache),
-                                      auto, sampling, settings.seed, plain_host)
+                                      auto, sampling, settings, plain_host)
         for option, value in (auto_row or {}).get("options", {}).items():  # chosen with D (DSpark's threshold)
             setattr(proposer, option, value)
         decoder = SpeculativeDecoder(target, proposer, num_draft=chosen, **cache)

@@ -83,6 +83,13 @@ def gguf_source(path: str | Path) -> Path | None:
     return None
 
 
+def gguf_folder(path: str | Path) -> Path | None:
+    """The converted folder a GGUF name or path stands for (converting it on first use);
+    None where `path` names no GGUF file. The one resolution every command goes through."""
+    source = gguf_source(path)
+    return None if source is None else converted_folder(source)
+
+
 def file_sha256(path: Path) -> str:
     stat = path.stat()
     return _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns)

@@ -52,12 +52,11 @@ def serve_commands(method: str, out_dir: str | Path, target: str | Path | None,
         target = out
     if target is None:
         return []
-    target_config = read_json(Path(target) / "config.json")
-    if "speculators_model_type" in config:
-        return [_speculators(out, config, target, target_config)]
     # The engine's --dtype is the target's; the drafter's own config names its dtype (the export's).
-    found = config_dtype(target_config)
+    found = config_dtype(read_json(Path(target) / "config.json"))
     dtype = dtype_name(found) if found else "auto"
+    if "speculators_model_type" in config:
+        return [_speculators(out, config, target, dtype)]
     model = shlex.quote(str(target))
     common = f"--model-path {model} --dtype {dtype}"
     if method in ("eagle3", "mtp"):
@@ -97,14 +96,12 @@ def _dspark_calibration(folder: Path) -> str:
     return "".join(f" {flag} {shlex.quote(str(folder / name))}" for flag, name in flags if (folder / name).is_file())
 
 
-def _speculators(out: str, config: dict, target, target_config: dict) -> str:
+def _speculators(out: str, config: dict, target, dtype: str) -> str:
     """vLLM reads the method and the drafts per verify from the folder (`vllm serve DIR`, the
     verifier named inside), where the verifier is a hub id; a local verifier it refuses in that
     form (models/speculators_format.py), so the line then names the target and the folder."""
     from draftsmith.models.speculators_format import is_hub_name
 
-    found = config_dtype(target_config)
-    dtype = dtype_name(found) if found else "auto"
     spec = config["speculators_config"]
     if is_hub_name(spec["verifier"]["name_or_path"]):
         return f"vllm serve {shlex.quote(out)} --dtype {dtype}"

@@ -69,8 +69,6 @@ _VERIFIER_OWNED = ("embed_tokens.weight", "lm_head.weight", "verifier_norm.weigh
 def export_eagle3(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """A native EAGLE-3 folder as speculators' `Eagle3Speculator` (one Llama layer)."""
     from draftsmith.models.eagle3 import Eagle3Config
-    from draftsmith.models.serve import REFERENCE_CHAIN_STEPS
-    from draftsmith.models.tile import plan_tile, read_target_config
 
     folder = Path(folder)
     meta = read_native_meta(folder, expect_method="eagle3")
@@ -78,11 +76,9 @@ def export_eagle3(folder: str | Path, out_dir: str | Path, dtype: str | None = N
     target = _target_dir(folder)
     state = load_native_weights(folder)
     out_dtype = _dtype(folder, dtype, state["fc.weight"].dtype)
-    # The chain the serve lines give EAGLE-3 (models/serve.py): the references' steps, within the tile rule.
-    drafts = max(1, min(plan_tile(read_target_config(target)).D, REFERENCE_CHAIN_STEPS))
     layer = {**c.llama_config().to_diff_dict(), "model_type": "llama"}
     config = {
-        **_header("eagle3", ["Eagle3Speculator"], drafts, target, out_dtype),
+        **_header("eagle3", ["Eagle3Speculator"], chain_drafts(target), target, out_dtype),
         "transformer_layer_config": _plain(layer),
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
@@ -167,9 +163,7 @@ def export_mtp(folder: str | Path, out_dir: str | Path, dtype: str | None = None
     from draftsmith.models.export import DTYPES, config_dtype
     from draftsmith.models.mtp import mtp_dir
     from draftsmith.models.native import load_drafter
-    from draftsmith.models.serve import REFERENCE_CHAIN_STEPS
     from draftsmith.models.target import load_target
-    from draftsmith.models.tile import plan_tile, read_target_config
 
     folder = Path(folder)
     target_config = read_json(folder / "config.json")
@@ -177,25 +171,32 @@ def export_mtp(folder: str | Path, out_dir: str | Path, dtype: str | None = None
     target = load_target(folder)
     heads = load_drafter(mtp_dir(folder), "mtp", target)
     out_dtype = DTYPES[dtype] if dtype else config_dtype(target_config) or next(heads.parameters()).dtype
-    drafts = max(1, min(plan_tile(read_target_config(folder)).D, REFERENCE_CHAIN_STEPS))
     config = {
-        **_header("mtp", ["MTPDraftModel"], drafts, folder, out_dtype),
+        **_header("mtp", ["MTPDraftModel"], chain_drafts(folder), folder, out_dtype),
         "transformer_layer_config": _plain(target_config),
         "num_nextn_predict_layers": 1,
         "draftsmith": {"modules_trained": heads.num_depths, "modules_written": 1,
                        "chain_input": getattr(heads.config, "chain_input", "hidden")},
     }
-    weights = {}
-    for name, tensor in heads.state_dict().items():
-        layer, rest = name.removeprefix("layers.").split(".", 1)
-        if layer != "0":
-            continue
-        rest = rest.removeprefix("block.")
-        for theirs, ours in _MTP_NAMES:
-            if rest.startswith(ours):
-                rest = theirs + rest.removeprefix(ours)
-        weights[_MTP_PREFIX + rest] = tensor
+    module_one = {name.removeprefix("layers.0."): t for name, t in heads.native_state().items()
+                  if name.startswith("layers.0.")}  # DeepSeek's names, the block's unnested
+    weights = {_MTP_PREFIX + _renamed(name, ((ours, theirs) for theirs, ours in _MTP_NAMES)): t
+               for name, t in module_one.items()}
     return _write(out_dir, config, weights, out_dtype)
+
+
+def _renamed(name: str, prefixes) -> str:
+    """`name` with the first of its (old, new) prefixes that it starts with replaced."""
+    return next((new + name.removeprefix(old) for old, new in prefixes if name.startswith(old)), name)
+
+
+def chain_drafts(target: Path) -> int:
+    """Drafts per verify a chained drafter (EAGLE-3, MTP) is served with: the references' steps
+    (models/serve.py: REFERENCE_CHAIN_STEPS) within the tile rule, as the serve lines give it."""
+    from draftsmith.models.serve import REFERENCE_CHAIN_STEPS
+    from draftsmith.models.tile import plan_tile, read_target_config
+
+    return max(1, min(plan_tile(read_target_config(target)).D, REFERENCE_CHAIN_STEPS))
 
 
 def check_mtp_type(target_config: dict, source: str) -> None:
@@ -438,15 +439,9 @@ def _read_mtp(meta, layer, weights, target, source):
         raise DraftsmithError(f"{source}: an MTP module of a target with {layer.get('num_hidden_layers')} layers of "
                               f"width {layer.get('hidden_size')}; the target has {mine.num_hidden_layers} of width "
                               f"{mine.hidden_size}")
-    state = {}
-    for name, tensor in weights.items():
-        if not name.startswith(_MTP_PREFIX):
-            continue  # the verifier's embedding and head, where a folder carries them
-        rest = name.removeprefix(_MTP_PREFIX)
-        for theirs, ours in _MTP_NAMES:
-            if rest.startswith(theirs):
-                rest = ours + rest.removeprefix(theirs)
-        state[f"layers.0.{rest}"] = tensor
+    # (the verifier's embedding and head, where a folder carries them, are not the module's)
+    state = {f"layers.0.{_renamed(name.removeprefix(_MTP_PREFIX), _MTP_NAMES)}": t
+             for name, t in weights.items() if name.startswith(_MTP_PREFIX)}
     if not state:
         raise DraftsmithError(f"{source}: no {_MTP_PREFIX}* tensors in model.safetensors")
     # speculators chains the module on its normed output (core.py: mtp_output, after final_layernorm)

@@ -513,12 +513,12 @@ def find_model_dir(path: str | Path, require: str = "") -> Path | str:
     with a config.json. A GGUF file (a `.gguf` path, a folder holding one, or an embedded
     name such as `smollm2-135m-instruct`) stands for the folder it is converted into once
     (models/gguf.py)."""
-    from draftsmith.models.gguf import converted_folder, gguf_source
+    from draftsmith.models.gguf import gguf_folder
     from draftsmith.models.hub import hub_snapshot, looks_like_repo_id
 
-    gguf_file = gguf_source(path)
-    if gguf_file is not None:
-        return converted_folder(gguf_file)
+    converted = gguf_folder(path)
+    if converted is not None:
+        return converted
     local = Path(path)
     if (local / "model" / "config.json").is_file():
         return local / "model"

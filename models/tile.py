@@ -112,10 +112,9 @@ def read_target_config(spec: str | Path) -> dict:
     """The attention fields of a target: `spec` is a model folder, a config.json, or a hub
     name (its config.json from the Hugging Face cache, or downloaded alone when online), or
     a GGUF file (that of the folder it converts into, models/gguf.py)."""
-    from draftsmith.models.gguf import converted_folder, gguf_source
+    from draftsmith.models.gguf import gguf_folder
 
-    gguf_file = gguf_source(spec)
-    path = converted_folder(gguf_file) if gguf_file is not None else Path(spec)
+    path = gguf_folder(spec) or Path(spec)
     if path.is_dir():
         config = read_json(path / "config.json")
     elif path.is_file():

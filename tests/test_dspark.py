@@ -248,6 +248,24 @@ def test_confidence_head_ends_drafts_early_and_counts_the_rows_saved(target):
     assert full.report_extra()["early_stops"] == 0 and full.report_extra()["verify_rows_saved"] == 0
 
 
+def test_calibration_records_pair_each_verified_draft_with_its_accepted_drafts(target):
+    """`eval --num-draft auto` records, per verify pass, the whole block's confidences (the
+    checkpoint's threshold set aside) and the drafts the pass kept; a sequence's last draft,
+    never committed (the token limit ended it), is dropped, not paired with the next
+    sequence's prefill."""
+    proposer = DSparkProposer(with_trained_refiner(dspark_for(target, block_size=6)), target,
+                              confidence_threshold=0.9)
+    proposer.confidence_records = records = []
+    decoder = SpeculativeDecoder(target, proposer, num_draft=6, eos_token_id=())
+    results = [decoder.generate(torch.randint(0, MASK, (8,), generator=torch.Generator().manual_seed(seed)), 20)
+               for seed in (3, 4)]
+    passes = sum(r.stats.verify_passes for r in results)
+    assert len(records) == passes - len(results)  # every pass but each sequence's last
+    block = proposer.drafter.drafts_per_block
+    assert block == 6 and all(len(confidences) == block for confidences, _ in records)  # whole blocks, not cut at 0.9
+    assert sum(kept for _, kept in records) <= sum(r.stats.committed - r.stats.verify_passes for r in results)
+
+
 @pytest.mark.parametrize("threshold", [-0.1, 1.5, float("nan")])
 def test_a_threshold_outside_0_1_is_one_line(target, threshold):
     drafter = dspark_for(target)

@@ -158,7 +158,8 @@ def test_num_draft_auto_picks_each_drafters_d_from_its_calibration(runs, tmp_pat
         assert best["d"] == auto["chosen"] and len(auto["acceptance"]) == 39
         assert set(auto["draft_and_host_ms"]) == {"1", "39"}
     md = (out / "report.md").read_text()
-    assert "--num-draft auto" in md and "num_draft.png" in md and (out / "num_draft.png").stat().st_size > 0
+    assert "--num-draft auto" in md and "num_draft.png" in md
+    assert (out / "num_draft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_num_draft_auto_calibrates_on_every_turn_of_conversations_after_the_evaluated(runs, tmp_path):

@@ -216,23 +216,29 @@ def test_a_resumed_run_logs_the_same_windows(run, tmp_path, monkeypatch):
     assert_same_records(broken, run)
 
 
-def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
-    """torch.save reports a full disk as a RuntimeError, after writing part of the file."""
+def train_failing_the_last_save(monkeypatch, capsys, out: Path, save_state) -> str:
+    """A 4-step run saving at 2 and 4, whose step-4 save is `save_state`: its one error line."""
     real = loop.save_checkpoint
 
-    def full_disk(accelerator, out_dir, step, window=None):
+    def failing(accelerator, out_dir, step, window=None):
         if step == 4:
-            def save_state(path):
-                os.makedirs(path, exist_ok=True)
-                (Path(path) / "model.safetensors").write_bytes(b"\0" * 10)
-                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos; file write failed")
             accelerator.save_state = save_state
         return real(accelerator, out_dir, step, window)
 
-    monkeypatch.setattr(loop, "save_checkpoint", full_disk)
-    out = tmp_path / "run"
-    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
+    monkeypatch.setattr(loop, "save_checkpoint", failing)
+    return one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
         out, train__max_steps=4, train__save_every=2, train__eval_every=100)]))
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
+    """torch.save reports a full disk as a RuntimeError, after writing part of the file."""
+    def save_state(path):
+        os.makedirs(path, exist_ok=True)
+        (Path(path) / "model.safetensors").write_bytes(b"\0" * 10)
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos; file write failed")
+
+    out = tmp_path / "run"
+    line = train_failing_the_last_save(monkeypatch, capsys, out, save_state)
     assert "file write failed" in line and "checkpoint_2 is intact" in line
     assert sorted(os.listdir(out / "checkpoints")) == ["checkpoint_2"]
 
@@ -863,17 +869,7 @@ def test_a_file_size_limit_a_read_only_disk_and_an_io_error_are_one_line(tmp_pat
     def efbig_save_state(*args, **kwargs):  # as accelerate's save_state reports safetensors' error
         raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
 
-    real = loop.save_checkpoint
-
-    def limited(accelerator, out_dir, step, window=None):
-        if step == 4:
-            accelerator.save_state = efbig_save_state
-        return real(accelerator, out_dir, step, window)
-
-    monkeypatch.setattr(loop, "save_checkpoint", limited)
-    out = tmp_path / "run"
-    line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
-        out, train__max_steps=4, train__save_every=2, train__eval_every=100)]))
+    line = train_failing_the_last_save(monkeypatch, capsys, tmp_path / "run", efbig_save_state)
     assert "the file is past the file-size limit: Error while serializing" in line and "checkpoint_2 is intact" in line
     monkeypatch.setattr(loop, "_log", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(tmp_path / "run2", **STRAIGHT)]))

@@ -48,7 +48,7 @@ def test_measure_writes_a_table_of_every_d_and_context(tiny_dir, tmp_path, capsy
     assert data["device_type"] == "cpu" and data["dtype"] == "float32" and data["attention"] == "sdpa"
     assert all(v > 0 for row in data["verify_ms"] for v in row) and data["head_ms"] > 0
     assert [s["context"] for s in data["tile_step"]] == [8, 32] and "rise_at_tile_ms" in data["tile_step"][0]
-    assert (out / "latency.png").stat().st_size > 0
+    assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "d=3 (D)" in printed and "tile boundary" in printed and str(out / "latency.json") in printed
     LatencyTable.read(out)  # reads back as a table
     # A folder that holds something else is never replaced; --measure needs --out.

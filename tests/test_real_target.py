@@ -137,8 +137,19 @@ def runs(tmp_path_factory):
     return root
 
 
-def test_every_post_hoc_method_has_a_real_target_recipe():
-    assert POST_HOC and all((RECIPES / f"{m}.yaml").is_file() for m in POST_HOC)
+def test_every_post_hoc_method_has_a_real_target_recipe_that_says_how_to_launch_it():
+    """Each parses, trains that method against the embedded real target, and starts with its
+    exact launch command and the hardware it was sized for."""
+    from draftsmith.recipe import load_recipe
+
+    assert POST_HOC
+    for method in POST_HOC:
+        path = RECIPES / f"{method}.yaml"
+        recipe = load_recipe(path)
+        assert recipe.method.name == method and recipe.target.path == REAL
+        head = path.read_text().splitlines()
+        assert head[0] == f"# Launch: draftsmith train --recipe recipes/smollm2_135m/{method}.yaml", head[0]
+        assert any(line.startswith("# Sized for: 2 CPU cores") for line in head[:4]), head[:4]
 
 
 def test_recipes_train_and_choose_a_mask_token_the_data_never_uses(runs, tokenizer):

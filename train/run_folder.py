@@ -75,10 +75,11 @@ def check_owner(recipe: Recipe, out_dir: Path) -> dict:
             "replaces": record.get("run_id") if held else None}
 
 
-# Keys a resume may change freely: when and how much is validated, saved, logged and tracked,
-# memory (gradient checkpointing), and where things are; none of them moves the trajectory.
-RESUME_FREE = {"train.output_dir", "train.resume", "train.overwrite", "train.resume_changes", "train.eval_every",
-               "train.eval_batches", "train.save_every", "train.keep_checkpoints", "train.log_every",
+# Keys that say how to run, not what: never recorded as a change.
+RESUME_IGNORED = ("train.output_dir", "train.resume", "train.overwrite", "train.resume_changes")
+# Keys a resume may change freely (recorded): when and how much is validated, saved, logged and
+# tracked, memory (gradient checkpointing), and where things are; none moves the trajectory.
+RESUME_FREE = {"train.eval_every", "train.eval_batches", "train.save_every", "train.keep_checkpoints", "train.log_every",
                "train.dist_timeout", "train.gradient_checkpointing", "data.num_proc", "data.feature_cache",
                "target.attn_implementation"}
 RESUME_FREE_SECTIONS = ("tracking.", "eval.")
@@ -112,7 +113,7 @@ def resume_changes(recipe: Recipe, checkpoint: Path, step: int) -> list[dict]:
     changes, guarded = [], []
     for key in sorted(old.keys() | new.keys()):
         was, now = old.get(key, _UNSET), new.get(key, _UNSET)
-        if was == now or key in ("train.output_dir", "train.resume", "train.overwrite", "train.resume_changes"):
+        if was == now or key in RESUME_IGNORED:
             continue
         if key in RESUME_RESOLVED and now is None:
             continue

@@ -49,10 +49,9 @@ class DSparkProposer(DFlashProposer):
                 probs.append(q)
             return token
 
-        # calibrating (records kept): the whole block, so that every threshold can be priced
-        threshold = 0.0 if self.confidence_records is not None else self.confidence_threshold
+        recording = self.confidence_records is not None  # then the whole block: every threshold is priced
+        threshold = 0.0 if recording else self.confidence_threshold
         tokens, _, confidence = self.drafter.refine(hidden, base, self.last, pick, self.refiner, threshold)
-        recording = self.confidence_records is not None
         self._pending = confidence[0].float().sigmoid().tolist() if recording else None
         self.proposals += 1
         if tokens.shape[1] < hidden.shape[1]:
@@ -60,22 +59,15 @@ class DSparkProposer(DFlashProposer):
             self.rows_saved += hidden.shape[1] - tokens.shape[1]
         return Draft(tokens[0], None, torch.cat(probs) if probs else None)
 
+    def begin(self, prompt_ids: torch.Tensor, ctx) -> None:
+        super().begin(prompt_ids, ctx)
+        self._pending = None  # a sequence's last draft, never verified (it hit the token limit), is no record
+
     def commit(self, accepted: torch.Tensor, ctx) -> None:
         super().commit(accepted, ctx)
-        if self._pending is not None and self.confidence_records is not None:  # the pass that verified it: drafts kept = tokens - 1
+        if self._pending is not None:  # the pass that verified the recorded draft: drafts kept = tokens - 1
             self.confidence_records.append((self._pending, len(accepted) - 1))
             self._pending = None
-
-    def choose_threshold(self, records: list, pass_ms, max_draft: int) -> dict:
-        """`eval --num-draft auto`: the (D, threshold) pair that maximises expected tokens/s over
-        the passes recorded in `confidence_records` (models/latency.py: best_threshold); the threshold is then this
-        proposer's. A pass that drafted d and accepted a keeps min(a, L): a threshold that ends
-        the draft at L only drops drafts after it (the verify keeps a prefix)."""
-        from draftsmith.models.latency import best_threshold
-
-        choice = best_threshold(records, pass_ms, max_draft)
-        self.confidence_threshold = choice["confidence_threshold"]
-        return choice
 
     def report_extra(self) -> dict:
         return {
