@@ -153,15 +153,18 @@ def _export(args) -> None:
 
     from draftsmith.fsutil import check_replaceable
     from draftsmith.models.export import export_notes, export_run
+    from draftsmith.models.run_weights import BEST, MODEL, weights_label
     from draftsmith.models.target import find_model_dir
 
-    out = Path(args.out).resolve()
-    if out in (Path(args.run_dir).resolve(), Path(find_model_dir(args.run_dir)).resolve()):
+    out, run = Path(args.out).resolve(), Path(args.run_dir)
+    if out in {p.resolve() for p in (run, Path(find_model_dir(run)), run / MODEL, run / BEST)}:  # the run's own
         raise DraftsmithError(f"--out {args.out} is the folder being exported; give a new folder")
     check_replaceable(args.out, "config.json", "export")  # an existing folder is replaced whole
     with output_lock(args.out):
         written = export_run(args.run_dir, args.format, args.out, dtype=args.dtype, latency_table=args.latency_table)
-    print(f"wrote {written}")
+    source = find_model_dir(args.run_dir)
+    label = weights_label(source)  # a run stands for its best weights: say which were exported
+    print(f"wrote {written}" + (f" from {source} (the run's {label} weights)" if label else ""))
     # a layout's caveat, then how to serve it
     for line in export_notes(args.run_dir, args.format, written, latency_table=args.latency_table):
         print(line)

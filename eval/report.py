@@ -174,16 +174,17 @@ def _drafter_table(results: dict) -> str:
     drafters = results["drafters"]
     extras = list(dict.fromkeys(key for d in drafters for key in d.get("extra") or {}))
     split = any("tau_no_loop" in d for d in drafters)
-    header = ["drafter", "D", "tau", *(["tau, no loop"] if split else []), "tokens/s", "speedup", "bound",
-              "T_draft ms", "T_verify ms"]
+    weights = any(d.get("weights") for d in drafters)  # which of a run's weights: best, a checkpoint, last
+    header = ["drafter", *(["weights"] if weights else []), "D", "tau", *(["tau, no loop"] if split else []),
+              "tokens/s", "speedup", "bound", "T_draft ms", "T_verify ms"]
     header += [key.replace("_", " ") for key in extras]
     baseline = results["baseline"]
-    rows = [["plain decoding", "0", "1.00", *(["1.00"] if split else []), f"{baseline['tokens_per_s']:.1f}",
-             "1.00x", "-", "-", "-"] + ["-"] * len(extras)]
+    rows = [["plain decoding", *(["-"] if weights else []), "0", "1.00", *(["1.00"] if split else []),
+             f"{baseline['tokens_per_s']:.1f}", "1.00x", "-", "-", "-"] + ["-"] * len(extras)]
     for d in drafters:
         no_loop = d.get("tau_no_loop")
         row = [
-            d["name"], str(d["num_draft"]), f"{d['tau']:.2f}",
+            d["name"], *([d.get("weights") or "-"] if weights else []), str(d["num_draft"]), f"{d['tau']:.2f}",
             *([f"{no_loop:.2f}" if no_loop is not None else "-"] if split else []), f"{d['tokens_per_s']:.1f}",
             f"{d['speedup']:.2f}x", f"{_bound(d, baseline):.2f}x",
             f"{d['T_draft_ms']:.2f}", f"{d['T_verify_ms']:.2f}",

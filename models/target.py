@@ -506,7 +506,8 @@ def build_tiny_target(seed: int = 0, **config_kwargs) -> nn.Module:
 
 def find_model_dir(path: str | Path, require: str = "") -> Path | str:
     """The one place a path on the command line becomes a model folder: a training run
-    folder stands for the model it wrote (RUN/model), a model folder for itself, and a hub
+    folder stands for its best weights (RUN/best/model) or else the model it wrote last
+    (RUN/model; models/run_weights.py), a checkpoint folder for its own, a model folder for itself, and a hub
     name for its snapshot in the Hugging Face cache (downloaded there first when online,
     models/hub.py). A name found nowhere stays a string, for the loader to name what is
     wrong. With `require` (what the path is for, e.g. "target"), it must come to a folder
@@ -515,13 +516,15 @@ def find_model_dir(path: str | Path, require: str = "") -> Path | str:
     (models/gguf.py)."""
     from draftsmith.models.gguf import gguf_folder
     from draftsmith.models.hub import hub_snapshot, looks_like_repo_id
+    from draftsmith.models.run_weights import run_weights
 
     converted = gguf_folder(path)
     if converted is not None:
         return converted
     local = Path(path)
-    if (local / "model" / "config.json").is_file():
-        return local / "model"
+    weights = run_weights(local)
+    if weights is not None:
+        return weights
     if not local.exists() and looks_like_repo_id(path):
         try:
             return hub_snapshot(str(path), what=require or "model")

@@ -220,10 +220,10 @@ def train_failing_the_last_save(monkeypatch, capsys, out: Path, save_state) -> s
     """A 4-step run saving at 2 and 4, whose step-4 save is `save_state`: its one error line."""
     real = loop.save_checkpoint
 
-    def failing(accelerator, out_dir, step, window=None):
+    def failing(accelerator, out_dir, step, *rest):
         if step == 4:
             accelerator.save_state = save_state
-        return real(accelerator, out_dir, step, window)
+        return real(accelerator, out_dir, step, *rest)
 
     monkeypatch.setattr(loop, "save_checkpoint", failing)
     return one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
@@ -972,8 +972,8 @@ def test_a_nan_stop_names_only_a_checkpoint_whose_weights_are_finite(tmp_path, m
         loss, metrics = real_loss(self, model, batch, step, micro=micro)
         return (loss * float("nan") if step >= 2 else loss), metrics
 
-    def poisoned(accelerator, out_dir, step, window=None):  # weights turned NaN on disk since
-        real_save(accelerator, out_dir, step, window)
+    def poisoned(accelerator, out_dir, step, *rest):  # weights turned NaN on disk since
+        real_save(accelerator, out_dir, step, *rest)
         file = out_dir / "checkpoints" / f"checkpoint_{step}" / "model.safetensors"
         save_file({k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in load_file(file).items()},
                   str(file), metadata={"format": "pt"})

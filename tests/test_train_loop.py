@@ -146,10 +146,10 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch
     run = tmp_path / "run"
     real = loop.save_checkpoint
 
-    def failing(accelerator, out_dir, step, window=None):
+    def failing(accelerator, out_dir, step, *rest):
         if step == 8:
             accelerator.save_state = lambda path: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device"))
-        return real(accelerator, out_dir, step, window)
+        return real(accelerator, out_dir, step, *rest)
 
     monkeypatch.setattr(loop, "save_checkpoint", failing)
     with pytest.raises(DraftsmithError, match="No space left on device.*checkpoint_4 is intact"):

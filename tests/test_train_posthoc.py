@@ -131,6 +131,8 @@ def test_export_cli_writes_engine_layouts_and_refuses_the_wrong_format(target, t
     train(posthoc("eagle3", run, target, train__max_steps=2, method__draft_vocab_size=128, method__ttt_length=2))
     for fmt in ("sglang", "vllm", "native"):
         assert main(["export", str(run), "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+        # validated at its last step only: the best weights are that step's, and export says which it took
+        assert f"from {run / 'best' / 'model'} (the run's best (step 2, val/tau_est" in capsys.readouterr().out
     sglang = json.loads((tmp_path / "sglang" / "config.json").read_text())
     vllm = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -145,6 +147,7 @@ def test_export_cli_writes_engine_layouts_and_refuses_the_wrong_format(target, t
     report = evaluate(target, tmp_path / "r", f"eagle3:{tmp_path / 'sglang'}", f"eagle3:{run}", extra=("--num-draft", "4"))
     first, second = report.values()
     assert first["tau"] == second["tau"]
+    assert first["weights"] is None and second["weights"].startswith("best (step 2, val/tau_est")
 
 
 def test_anchors_are_drawn_per_micro_batch_and_process_and_a_resume_draws_the_same(target, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -33,6 +34,7 @@ from draftsmith.fsutil import (
 )
 from draftsmith.logs import show_progress
 from draftsmith.recipe import Recipe, dump_recipe, validate
+from draftsmith.train.best import BestWeights
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_name, saved_checkpoints
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs, set_fsdp_wrap_classes
 from draftsmith.train.method import build_method
@@ -114,8 +116,10 @@ def check_checkpoint(path: Path) -> int:
     return step
 
 
-def save_checkpoint(accelerator, out_dir: Path, step: int, window: dict | None = None) -> None:
-    """accelerate's save_state into RUN/checkpoints/checkpoint_<step>, then step.json.
+def save_checkpoint(accelerator, out_dir: Path, step: int, window: dict | None = None,
+                    weights: Callable[[Path], object] | None = None) -> None:
+    """accelerate's save_state into RUN/checkpoints/checkpoint_<step>, the method's model
+    (`weights(folder)` writes folder/model, which export and eval read), then step.json.
 
     accelerate picks the folder from its save iteration, set here to the step, and first
     deletes the oldest checkpoints beyond train.keep_checkpoints (its total_limit). step.json,
@@ -134,6 +138,8 @@ def save_checkpoint(accelerator, out_dir: Path, step: int, window: dict | None =
         # Under automatic naming accelerate derives this same folder itself; it is passed for clarity.
         accelerator.save_state(str(final))
         (final / f"window-{accelerator.process_index}.json").write_text(json.dumps(window or {}))
+        if accelerator.is_main_process and weights is not None:
+            weights(final)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             apply_user_modes(final)  # safetensors leaves its files 0600, unreadable by a server of another user
@@ -415,6 +421,11 @@ def _train(recipe: Recipe, run: dict) -> Path:
         start_trackers(accelerator, recipe.tracking, out_dir, _flat(recipe), dump_recipe(recipe),
                        resume_step if resume_from is not None else None)
         _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
+    best = BestWeights(out_dir, resume_step if resume_from is not None else None, accelerator.is_main_process)
+
+    def write_weights(folder: Path) -> None:  # the method's model, as export and eval read it
+        method.save(accelerator.unwrap_model(model), folder)
+
     micro = step * t.grad_accum
     bar = tqdm(total=max_steps, initial=step, desc=f"train {recipe.method.name}", dynamic_ncols=True,
                disable=not accelerator.is_local_main_process or not show_progress())
@@ -466,6 +477,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
             if step % t.eval_every == 0 or step == max_steps:
                 val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator)
                 _log(accelerator, history, step, val)
+                best.offer(val, step, write_weights)
                 if val and accelerator.is_main_process:
                     with logging_redirect_tqdm([logging.getLogger("draftsmith")]):  # the CLI's handler
                         log.info("step %d: %s", step, ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
@@ -473,7 +485,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
             if step % t.save_every == 0 or step == max_steps:
                 stop_if_not_finite(accelerator, _weights_problem(model), step, out_dir)
                 save_checkpoint(accelerator, out_dir, step, {"sums": window, "n": window_n, "tokens": tokens,
-                                                             "s": time.perf_counter() - started})
+                                                             "s": time.perf_counter() - started}, write_weights)
             if step >= max_steps or micro % per_epoch == 0:
                 break
         else:  # only a stream ends before its pass does: the corpus is shorter than the run
@@ -483,7 +495,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
     accelerator.wait_for_everyone()
     final = None
     if accelerator.is_main_process:
-        final = method.save(accelerator.unwrap_model(model), out_dir)
+        final = method.save(accelerator.unwrap_model(model), out_dir)  # the last weights, RUN/model
         log.info("wrote %s", final)
     accelerator.end_training()
     return final or out_dir

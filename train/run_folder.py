@@ -21,13 +21,14 @@ from typing import Iterator
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import ensure_writable_dir, folder_lock, read_json, write_json
+from draftsmith.models.run_weights import BEST, MODEL
 from draftsmith.recipe import Recipe
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_step
 
 RUN_FILE = "run.json"
 ABANDONED = "abandoned"  # checkpoints past the step a run was resumed from
 # What a run writes in its folder; `train.overwrite` removes exactly these.
-RUN_OUTPUTS = (CHECKPOINTS, ABANDONED, "model", "metrics.jsonl", "logs", "wandb", "tracking.json", "recipe.yaml", RUN_FILE)
+RUN_OUTPUTS = (CHECKPOINTS, ABANDONED, MODEL, BEST, "metrics.jsonl", "logs", "wandb", "tracking.json", "recipe.yaml", RUN_FILE)
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,7 @@ def held_run(out_dir: Path) -> list[str]:
     if saved:
         latest = (checkpoint_folders(out_dir) or sorted(saved))[-1]
         held.append(f"{len(saved)} checkpoint(s), the latest {latest.name}")
-    if (out_dir / "model").exists():
-        held.append("model/")
+    held += [f"{name}/" for name in (MODEL, BEST) if (out_dir / name).exists()]
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size:
         held.append("metrics.jsonl")

@@ -50,6 +50,15 @@ def parse_drafter_arg(arg: str) -> tuple[str, Path | None]:
     return name, Path(folder)
 
 
+def drafter_weights(arg: str) -> str | None:
+    """Which weights of a training run a `--drafter` argument reads (best, a checkpoint, last;
+    models/run_weights.py), None where it names no run."""
+    from draftsmith.models.run_weights import weights_label
+
+    path = parse_drafter_arg(arg)[1]
+    return weights_label(path) if path is not None else None
+
+
 def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None):
     """The proposer a `--drafter` argument names, built for `target`; its `name` is the argument's NAME.
     `overrides`: method name -> proposer options set for this run (e.g. eval's
