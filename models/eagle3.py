@@ -44,6 +44,9 @@ from draftsmith.models.target import target_shape
 
 METHOD = "eagle3"
 NUM_FUSED_LAYERS = 3  # SGLang and vLLM build fc as Linear(3 * target_hidden_size, hidden_size)
+# Eagle3Config.loss: the TTT step objective (`ttt_step_loss`). ce is soft cross-entropy;
+# lk_lambda and lk_alpha are SpecForge 0.2.0's LK losses (its lk_loss_type lambda / alpha).
+LOSSES = ("ce", "lk_lambda", "lk_alpha")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -82,6 +85,11 @@ class Eagle3Config:
     ttt_length: int = option(7, "training-time-test steps: the drafter unrolls on its own outputs this many times")
     ttt_decay: float = option(0.8, "loss weight of TTT step j is ttt_decay ** j")
     attention_backend: str = option("sdpa", "TTT attention: sdpa (dense mask), flex, auto (models/attention.py)")
+    loss: str = option("ce", "TTT step loss: ce, soft cross-entropy to the target; lk_lambda or lk_alpha, SpecForge's "
+                             "LK losses on the expected acceptance sum_v min(p_target, p_draft) (docs/design.md)")
+    kl_scale: float = option(1.0, "lk_lambda: the cross-entropy's weight is kl_scale * exp(-kl_decay * acceptance), "
+                                  "the rest on 1 - acceptance; in [0, 1]")
+    kl_decay: float = option(1.0, "lk_lambda: how fast the cross-entropy's weight falls as acceptance rises; >= 0")
 
     SIZES = ("hidden_size", "target_hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "draft_vocab_size", "max_position_embeddings", "ttt_length")
@@ -100,6 +108,18 @@ class Eagle3Config:
         divides(values, "hidden_size", "num_heads", "EAGLE-3's draft layer is a Llama layer; hidden_size is the "
                                                     "target's unless set")
         divides(values, "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads")
+        loss = values.get("loss")
+        if loss is not None and loss not in LOSSES:
+            raise DraftsmithError(f"method.loss: {loss!r} is not one of {', '.join(LOSSES)}")
+        # Past these bounds lk_lambda's weight on 1 - acceptance turns negative: it would train acceptance down.
+        scale = values.get("kl_scale")
+        if scale is not None and not 0.0 <= scale <= 1.0:  # also refuses NaN
+            raise DraftsmithError(f"method.kl_scale: lk_lambda's cross-entropy weight at zero acceptance must be in "
+                                  f"[0, 1], got {scale}")
+        decay = values.get("kl_decay")
+        if decay is not None and not decay >= 0.0:
+            raise DraftsmithError(f"method.kl_decay: must be >= 0 (the cross-entropy's weight falls as acceptance "
+                                  f"rises), got {decay}")
 
     @classmethod
     def from_target(cls, target, **overrides) -> "Eagle3Config":
@@ -419,9 +439,13 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer.finish(hidden, attn), k, v
 
     def teacher(self, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All `loss` reads of the target's logits [.., V]: their draft-vocabulary columns
-        [.., V_d] and their full-vocabulary argmax [..] (what a feature cache stores)."""
-        return target_logits[..., self.draft_to_target], target_logits.argmax(-1)
+        """All `loss` reads of the target's logits [.., V] (what a feature cache stores): the
+        target's log-probabilities of the draft-vocabulary tokens [.., V_d], normalised over
+        the full vocabulary (their softmax is the cross-entropy's teacher; their exp is the
+        target's own probability, which LK's acceptance reads), in the logits' dtype, and
+        the full-vocabulary argmax [..]."""
+        draft = target_logits[..., self.draft_to_target]
+        return (draft.float() - log_normaliser(target_logits)).to(draft.dtype), target_logits.argmax(-1)
 
     def forward(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None):
         """The training step is a forward, so that DDP/FSDP/ZeRO wrappers see it: call the
@@ -433,8 +457,8 @@ class Eagle3Drafter(nn.Module):
 
         Inputs all come from one target forward over `input_ids` [B, T]: target_hidden
         [B, T, 3 * H_t], target_logits [B, T, V] (or, with `target_top` given, `teacher`'s
-        pair: target_logits [B, T, V_d] and target_top [B, T]); loss_mask [B, T] marks the
-        tokens to learn to predict (assistant tokens); attention_mask [B, T] marks real
+        pair: draft-vocabulary log-probabilities [B, T, V_d] and target_top [B, T]);
+        loss_mask [B, T] marks the tokens to learn to predict (assistant tokens); attention_mask [B, T] marks real
         tokens (pads are hidden from attention; positions are 0..T-1, as in a target forward
         given no position ids).
 
@@ -459,42 +483,94 @@ class Eagle3Drafter(nn.Module):
         instead (specforge/core/loss.py `_compute_loss`, a mean over B * T); we divide by
         the trained count, so that a row's gradient does not depend on the batch's padded
         width or on its neighbours' prompt lengths (batches are cut to their longest row:
-        tests/test_padding.py). Metrics: loss_k, acc_k (k = i + 1: draft argmax ==
+        tests/test_padding.py). With `loss` lk_lambda or lk_alpha, loss_i is SpecForge's
+        LK loss over the same positions instead (`ttt_step_loss`), and the same sum.
+        Metrics: loss_k, acc_k (k = i + 1: draft argmax ==
         target argmax over all masked positions, so an argmax outside the draft
         vocabulary counts as a miss, as in SpecForge), tau_est = 1 + sum_k prod_{j<=k}
-        acc_j, and vocab_coverage (masked positions whose target argmax has a draft id).
+        acc_j, and vocab_coverage (masked positions whose target argmax has a draft id);
+        with an LK loss also accept_k, the step's expected acceptance that LK trains.
         """
         length = input_ids.shape[1]
         steps = self.ttt_logits(target_hidden, input_ids, attention_mask)
         draft_ids = self.draft_to_target
+        lk = self.config.loss != "ce"
         with torch.no_grad():
             if target_top is None:
                 target_logits, target_top = self.teacher(target_logits)
             teacher = target_logits.float().softmax(-1)  # [B, T, V_d]
+            # The target's own probability of each draft token, for LK's acceptance.
+            target_mass = target_logits.float().exp() if lk else None
             reachable = self.t2d[target_top]
         learn = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
         total = target_hidden.new_zeros((), dtype=torch.float32)
-        step_losses, step_accs = [], []
+        step_losses, step_accs, step_accepts = [], [], []
         for i, logits in enumerate(steps):
             n = max(length - 2 - i, 0)  # indices t whose label x_{t+2+i} is inside the sequence
             mask = learn[:, 2 + i : 2 + i + n]
             trained = mask & reachable[:, 1 + i : 1 + i + n]
             pred = logits[:, :n].float()
-            ce = -(teacher[:, 1 + i : 1 + i + n] * pred.log_softmax(-1)).sum(-1)
-            step_loss = (ce * trained).sum() / trained.sum().clamp(min=1)
+            mass = target_mass[:, 1 + i : 1 + i + n] if lk else None
+            step_loss, accept = ttt_step_loss(self.config, pred, teacher[:, 1 + i : 1 + i + n], trained, mass)
             total = total + self.config.ttt_decay**i * step_loss
             step_losses.append(step_loss.detach())
+            if lk:
+                step_accepts.append(accept)
             hits = (draft_ids[pred.argmax(-1)] == target_top[:, 1 + i : 1 + i + n]) & mask
             step_accs.append(hits.sum() / mask.sum().clamp(min=1))
         first = learn[:, 2:]
         coverage = (first & reachable[:, 1:-1]).sum() / first.sum().clamp(min=1)
-        values = torch.stack(step_losses + step_accs + [coverage]).tolist()  # one device sync
+        values = torch.stack(step_losses + step_accs + [coverage] + step_accepts).tolist()  # one device sync
         k = len(steps)
         metrics = {f"loss_{j + 1}": values[j] for j in range(k)}
         metrics.update({f"acc_{j + 1}": values[k + j] for j in range(k)})
         metrics["tau_est"] = tau_estimate(values[k : 2 * k])
-        metrics["vocab_coverage"] = values[-1]
+        metrics["vocab_coverage"] = values[2 * k]
+        if lk:
+            metrics.update({f"accept_{j + 1}": values[2 * k + 1 + j] for j in range(k)})
         return total, metrics
+
+
+def log_normaliser(logits: torch.Tensor, elements: int = 1 << 26) -> torch.Tensor:
+    """logsumexp over the last dim in float32, keepdim, a slice of rows at a time (about
+    `elements` floats), so a half-precision [B, T, V] is never copied whole to float32."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.shape[0] == 0:
+        return logits.new_zeros(*logits.shape[:-1], 1, dtype=torch.float32)
+    rows = max(1, elements // max(1, flat.shape[-1]))
+    out = torch.cat([part.float().logsumexp(-1) for part in flat.split(rows)])
+    return out.view(*logits.shape[:-1], 1)
+
+
+def ttt_step_loss(config: Eagle3Config, pred, teacher, trained, target_mass=None):
+    """One TTT step's loss -> (loss, expected acceptance, detached; None for ce).
+
+    pred [B, n, V_d]: the draft logits (float32); teacher [B, n, V_d]: the target's
+    distribution renormalised over the draft vocabulary; trained [B, n] bool: the positions
+    that train (loss-masked, target argmax reachable), over whose count every term is
+    averaged; target_mass [B, n, V_d]: the target's own (full-vocabulary) probabilities of
+    the draft tokens, for the LK losses only.
+
+    ce: the mean soft cross-entropy CE = -sum_v teacher_v log q_v (q = softmax(pred)).
+    LK (SpecForge 0.2.0 core/lk_loss.py, as its algorithms/eagle3/model.py calls it):
+    per position the expected acceptance a = sum_v min(target_mass_v, q_v); A is its mean,
+    L the mean of log a (0 where a = 0). lk_alpha: -L. lk_lambda: w * CE + (1 - w) * (1 - A),
+    w = kl_scale * exp(-kl_decay * A) with A detached in w.
+    """
+    count = trained.sum().clamp(min=1)
+    if config.loss == "ce":
+        ce = -(teacher * pred.log_softmax(-1)).sum(-1)
+        return (ce * trained).sum() / count, None
+    accept = torch.minimum(pred.softmax(-1), target_mass).sum(-1)
+    rate = (accept * trained).sum() / count
+    if config.loss == "lk_alpha":
+        # log a where a > 0, else 0 (as SpecForge), without a NaN gradient through log(0).
+        log_accept = torch.where(accept > 0, accept, torch.ones_like(accept)).log()
+        return -(log_accept * trained).sum() / count, rate.detach()
+    ce = -(teacher * pred.log_softmax(-1)).sum(-1)
+    ce = (ce * trained).sum() / count
+    weight = config.kl_scale * torch.exp(-config.kl_decay * rate.detach())
+    return weight * ce + (1 - weight) * (1 - rate), rate.detach()
 
 
 def tau_estimate(accs: list[float]) -> float:

@@ -233,6 +233,57 @@ def test_loss_goes_down_and_metrics_are_sane(trained):
     assert metrics["tau_est"] > first[1]["tau_est"] and metrics["tau_est"] > 1.3
 
 
+@pytest.mark.parametrize("loss", ["lk_lambda", "lk_alpha"])
+def test_lk_losses_train(loss):
+    """method.loss lk_lambda / lk_alpha (SpecForge's LK losses, tests/test_loss_parity.py):
+    a few steps raise the expected acceptance they train and lower the loss; the greedy
+    metrics still come; the teacher pair a feature cache stores gives the same loss."""
+    torch.manual_seed(0)
+    target = peaky_target("llama")
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=192, ttt_length=3, loss=loss)
+    seqs = target.generate(torch.randint(0, VOCAB, (2, PROMPT)), max_new_tokens=24, min_new_tokens=24,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    hidden, logits = features(target, drafter, seqs)
+    drafter.set_draft_vocab(*build_draft_vocab([seqs, logits.argmax(-1)], None, VOCAB, 192))
+    mask = torch.ones_like(seqs)
+    mask[:, :PROMPT] = 0
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
+    history = []
+    for _ in range(12):
+        value, metrics = drafter.loss(hidden, seqs, logits, mask)
+        opt.zero_grad()
+        value.backward()
+        opt.step()
+        history.append((value.item(), metrics))
+    (first_loss, first), (last_loss, last) = history[0], history[-1]
+    assert last_loss < 0.9 * first_loss
+    assert set(last) == {*(f"{m}_{j}" for m in ("loss", "acc", "accept") for j in (1, 2, 3)), "tau_est",
+                         "vocab_coverage"}
+    assert last["accept_1"] > first["accept_1"] + 0.1 and all(0.0 <= last[f"accept_{j}"] <= 1.0 for j in (1, 2, 3))
+    assert last["tau_est"] > first["tau_est"]
+    with torch.no_grad():
+        cached = drafter.loss(hidden, seqs, *drafter.teacher(logits)[:1], mask, target_top=logits.argmax(-1))
+        online = drafter.loss(hidden, seqs, logits, mask)
+    assert float(cached[0]) == pytest.approx(float(online[0]), rel=1e-6) and cached[1] == pytest.approx(online[1])
+
+
+def test_bad_loss_options_are_refused():
+    """method.loss and LK's hyperparameters: one line naming the key, from the recipe's check
+    (before any data is prepared) and from the config itself."""
+    from draftsmith.recipe import validate
+
+    for params, pattern in (({"loss": "kl"}, r"method\.loss: 'kl' is not one of ce, lk_lambda, lk_alpha"),
+                            ({"loss": "lk_lambda", "kl_scale": 1.5}, r"method\.kl_scale: .* in \[0, 1\], got 1\.5"),
+                            ({"kl_decay": -1.0}, r"method\.kl_decay: must be >= 0")):
+        with pytest.raises(DraftsmithError, match=pattern) as err:
+            validate(recipe_from_dict({"method": {"name": "eagle3", **params}}))
+        assert "\n" not in str(err.value)
+        with pytest.raises(DraftsmithError, match=pattern):
+            Eagle3Config.from_target(build_tiny_target(vocab_size=VOCAB, **ARCHS["llama"]), **params)
+    config = Eagle3Config.from_target(build_tiny_target(vocab_size=VOCAB, **ARCHS["llama"]))
+    assert (config.loss, config.kl_scale, config.kl_decay) == ("ce", 1.0, 1.0)  # SpecForge's defaults
+
+
 def test_draft_vocab_restricts_training_and_drafting():
     target = peaky_target("llama")
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=16)

@@ -6,7 +6,9 @@ features, target logits, loss mask, anchors).
   around SpecForge's `DFlashDraftModel` holding our weights.
 - EAGLE-3: SpecForge's own `Eagle3TrainStrategy.forward_loss` (training/strategies/base.py,
   the 0.8**i sum) over `OnlineEagle3Model` (algorithms/eagle3/model.py, the TTT unroll,
-  teacher and masks) around SpecForge's `LlamaForCausalLMEagle3` holding our weights.
+  teacher and masks) around SpecForge's `LlamaForCausalLMEagle3` holding our weights; its
+  LK losses (method.loss lk_lambda / lk_alpha) through the same model and through
+  `_compute_loss_and_acceptance_rate` (core/lk_loss.py's functions) on random inputs.
 - DSpark: DeepSpec (github deepseek-ai/DeepSpec @ afdfa7c) is not pip-installable; its
   loss is restated below from its source, formula by formula, with file and line. SpecForge's
   `OnlineDSparkModel` (same file as DFlash's) is run beside it.
@@ -227,11 +229,14 @@ def specforge_eagle3(monkeypatch):
         yield model, strategies
 
 
-def specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats, ids, logits, loss_mask, attention):
-    """(total, per-step losses with their graphs, per-step accuracies, SpecForge's draft model)
+def specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats, ids, logits, loss_mask, attention,
+                          adapter=None, **options):
+    """(total, per-step losses with their graphs, its strategy's metrics, SpecForge's draft model)
     from SpecForge's strategy and model, given
     SpecForge's inputs: input_ids and target logits shifted left by one (what its
-    TargetHead.preprocess and online capture hand the model) and its loss mask [B, T, 1]."""
+    TargetHead.preprocess and online capture hand the model) and its loss mask [B, T, 1].
+    `options` go to OnlineEagle3Model (lk_loss_type, kl_scale, kl_decay); `adapter`, a
+    backend adapter class, replaces its SDPA one."""
     model, strategies = specforge_eagle3
     draft_module = reference("specforge.modeling.draft.llama3_eagle")
     utils = reference("specforge.utils")
@@ -241,14 +246,17 @@ def specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats, id
     state = load_file(str(out / "model.safetensors"))
     state["embed_tokens.weight"] = target.get_input_embeddings().weight.detach()
     draft.load_state_dict(state, strict=True)
-    online = Recording(model.OnlineEagle3Model(draft, length=drafter.config.ttt_length, attention_backend="sdpa"))
+    online = Recording(model.OnlineEagle3Model(draft, length=drafter.config.ttt_length, attention_backend="sdpa",
+                                               **options))
+    if adapter is not None:
+        online.model._make_adapter = lambda: adapter(online.model)
     strategy = strategies.Eagle3TrainStrategy(online, ploss_decay=drafter.config.ttt_decay)
     batch = contracts.TrainBatch(sample_ids=["a", "b"], strategy="eagle3", tensors={
         "input_ids": utils.padding(ids, left=False), "target": utils.padding(logits, left=False),
         "loss_mask": loss_mask[..., None], "hidden_state": feats, "attention_mask": attention,
     })
     result = strategy.forward_loss(batch)
-    return result.loss, online.outputs[0], result.metrics["acces"], draft
+    return result.loss, online.outputs[0], result.metrics, draft
 
 
 class Recording(torch.nn.Module):
@@ -310,8 +318,8 @@ def test_eagle3_loss_equals_specforge_strategy(specforge_eagle3, target, tmp_pat
     """
     drafter = eagle3(target).train()
     feats, ids, logits, loss_mask, attention = eagle3_inputs(target, drafter)
-    theirs, plosses, acces, draft = specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats, ids,
-                                                          logits, shift_left(loss_mask, 2), attention)
+    theirs, plosses, their_metrics, draft = specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats,
+                                                                  ids, logits, shift_left(loss_mask, 2), attention)
     ours, metrics = drafter.loss(feats, ids, logits, loss_mask, attention)
     k, decay = drafter.config.ttt_length, drafter.config.ttt_decay
     counts, indices = trained_counts(drafter, logits, loss_mask, attention), ids.numel()
@@ -319,7 +327,7 @@ def test_eagle3_loss_equals_specforge_strategy(specforge_eagle3, target, tmp_pat
     ours_steps = torch.tensor([metrics[f"loss_{j + 1}"] for j in range(k)])
     torch.testing.assert_close(ours_steps * counts / indices, torch.stack(plosses).detach(), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor([metrics[f"acc_{j + 1}"] for j in range(k)]),
-                               torch.stack(acces).float(), rtol=RTOL, atol=0)
+                               torch.stack(their_metrics["acces"]).float(), rtol=RTOL, atol=0)
     assert metrics["acc_1"] > 0.3
     # Their step losses renormalised by n_i are our loss, as a function of the weights too.
     renormalised = sum(decay**i * step * indices / counts[i] for i, step in enumerate(plosses))
@@ -334,6 +342,87 @@ def test_eagle3_loss_equals_specforge_strategy(specforge_eagle3, target, tmp_pat
     unshifted, *_ = specforge_eagle3_loss(specforge_eagle3, drafter, target, tmp_path, feats, ids, logits,
                                           loss_mask, attention)
     assert abs(float(unshifted.detach()) - float(theirs.detach())) > 1e-3
+
+
+LK_CASES = [("lk_alpha", 1.0, 1.0), ("lk_lambda", 1.0, 1.0), ("lk_lambda", 0.6, 3.0)]
+LK_TYPE = {"lk_alpha": "alpha", "lk_lambda": "lambda"}
+
+
+@pytest.mark.parametrize("loss,kl_scale,kl_decay", LK_CASES)
+def test_eagle3_lk_step_loss_equals_specforges(specforge_eagle3, loss, kl_scale, kl_decay):
+    """One TTT step's LK loss (`ttt_step_loss`) against SpecForge 0.2.0's
+    `_compute_loss_and_acceptance_rate` (algorithms/eagle3/model.py, which calls
+    core/lk_loss.py's compute_acceptance_rate and compute_lk_loss) on identical random
+    draft logits, target distributions (renormalised over the draft vocabulary, and the
+    target's own probabilities of the draft tokens) and position mask: the same value,
+    acceptance and gradient. The one stated difference, as for cross-entropy: SpecForge's
+    soft cross-entropy (its `kl_loss`, which lk_lambda weights) is a mean over all B * T
+    positions, ours over the n that train; SpecForge's is handed to LK rescaled by
+    B * T / n through its own `reduce_loss_fn` hook. lk_alpha has no such term."""
+    from draftsmith.models.eagle3 import ttt_step_loss
+
+    model, _ = specforge_eagle3
+    batch, length, vocab, draft_vocab = 2, 9, 48, 32
+    g = torch.Generator().manual_seed(11)
+    target_logits = 3 * torch.randn(batch, length, vocab, generator=g)
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    target_p = target_logits[..., ids].softmax(-1)
+    target_p_on_draft = target_logits.softmax(-1)[..., ids]
+    trained = torch.rand(batch, length, generator=g) > 0.3
+    trained[1, -3:] = False  # a padded tail
+    logits = torch.randn(batch, length, draft_vocab, generator=g, requires_grad=True)
+    theirs_logits = logits.detach().clone().requires_grad_(True)
+    config = types.SimpleNamespace(loss=loss, kl_scale=kl_scale, kl_decay=kl_decay)
+    ours, accept = ttt_step_loss(config, logits, target_p, trained, target_p_on_draft)
+    scale = batch * length / float(trained.sum())
+    assert scale > 1  # the two cross-entropy normalisations differ
+    theirs_accept, theirs = model._compute_loss_and_acceptance_rate(
+        logits=theirs_logits, target_p=target_p, target_p_on_draft=target_p_on_draft,
+        position_mask=trained[..., None].int(), lk_loss_type=LK_TYPE[loss], kl_scale=kl_scale, kl_decay=kl_decay,
+        reduce_loss_fn=lambda kl: kl * scale)
+    torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=0)
+    torch.testing.assert_close(accept, theirs_accept, rtol=RTOL, atol=0)
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(logits.grad, theirs_logits.grad, rtol=RTOL, atol=1e-8)
+    assert float(logits.grad[~trained].abs().max()) == 0.0  # positions that do not train get no gradient
+
+
+@pytest.mark.parametrize("loss,kl_scale,kl_decay", [LK_CASES[0], LK_CASES[2]])
+def test_eagle3_lk_loss_equals_specforge_strategy(specforge_eagle3, target, tmp_path, loss, kl_scale, kl_decay):
+    """method.loss lk_alpha / lk_lambda through the whole TTT unroll against SpecForge's
+    OnlineEagle3Model(lk_loss_type=...) under its strategy's 0.8**i sum, on the inputs of
+    test_eagle3_loss_equals_specforge_strategy and with its mask shift: every step loss,
+    step acceptance (SpecForge's acceptance_rates, our accept_k), the total and the
+    gradients agree. lk_lambda's cross-entropy term has the normalisation difference stated
+    there; its per-step factor B * T / n_i is applied through SpecForge's adapter hook
+    (`reduce_loss`, which it calls on that term alone)."""
+    drafter = eagle3(target).train()
+    drafter.config.loss, drafter.config.kl_scale, drafter.config.kl_decay = loss, kl_scale, kl_decay
+    feats, ids, logits, loss_mask, attention = eagle3_inputs(target, drafter)
+    counts, indices = trained_counts(drafter, logits, loss_mask, attention), ids.numel()
+    scales = iter((indices / counts).tolist())  # lk_alpha computes the term too, and drops it
+    adapters = reference("specforge.core.eagle3_adapters")
+
+    class PerTrainedPosition(adapters.SdpaLikeAdapter):
+        def reduce_loss(self, kl):
+            return kl * next(scales)
+
+    theirs, plosses, their_metrics, draft = specforge_eagle3_loss(
+        specforge_eagle3, drafter, target, tmp_path, feats, ids, logits, shift_left(loss_mask, 2), attention,
+        adapter=PerTrainedPosition, lk_loss_type=LK_TYPE[loss], kl_scale=kl_scale, kl_decay=kl_decay)
+    assert next(scales, None) is None  # one rescaled term per step, in order
+    ours, metrics = drafter.loss(feats, ids, logits, loss_mask, attention)
+    k = drafter.config.ttt_length
+    torch.testing.assert_close(torch.tensor([metrics[f"loss_{j + 1}"] for j in range(k)]),
+                               torch.stack(plosses).detach(), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor([metrics[f"accept_{j + 1}"] for j in range(k)]),
+                               torch.stack(their_metrics["acceptance_rates"]), rtol=RTOL, atol=0)
+    assert 0.01 < metrics["accept_1"] < 0.99  # neither vacuous nor saturated
+    torch.testing.assert_close(ours, theirs, rtol=RTOL, atol=0)
+    ours.backward()
+    theirs.backward()
+    assert_same_grads(drafter, draft)
 
 
 # ---------------------------------------------------------------- DSpark vs DeepSpec's formulas

@@ -40,7 +40,10 @@ class Eagle3Training(PostHocMethod):
 
     def feature_spec(self):
         d2t = self.model.drafter.d2t.cpu().numpy().tobytes()
-        return {**super().feature_spec(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16]}
+        # "teacher": what `extract` stores of the logits. Caches from before it was named hold raw
+        # draft-vocabulary logits, which the LK losses would read as probabilities: refused.
+        return {**super().feature_spec(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16],
+                "teacher": "draft-vocabulary log-probabilities"}
 
     def loss(self, model, batch, step, micro=0):
         f = self.features(batch)
