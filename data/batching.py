@@ -8,10 +8,7 @@ skip padded labels) and saves its compute in the target forward and the drafter.
 
 With `data.group_by_length`, `LengthGroupedSampler` draws batches of similar length, so the
 longest row of a batch is close to the others (the bucketing of transformers' `group_by_length`).
-Packing several conversations into one row was not chosen: the frozen target's forward would
-then need a block-diagonal mask per row too (its SDPA path takes no per-document positions),
-and every drafter's attention and TTT unroll would need document ids, for little gain once a
-batch is as long as its longest row and rows are grouped by length.
+With `data.packing`, a batch's rows are laid end to end instead (data/packing.py).
 """
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ class DataSection:
     feature_cache: str = option("", 'post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded')
     group_by_length: bool = option(False, "post-hoc methods: batch rows of similar length together, so that "
                                           "a batch (cut to its longest row) carries little padding")
+    packing: bool = option(False, "post-hoc methods: a batch's conversations end to end in as few rows of "
+                                  "train.seq_len as hold them, each attending only within itself (data/packing.py)")
     num_proc: int = option(1, "processes that tokenize the conversations (datasets' map num_proc)")
     chat_template: str = option("", "the target's chat template: empty (the tokenizer's own), a Jinja file, or a "
                                     "built-in (chatml); it renders regeneration prompts, training rows and eval prompts")

@@ -105,6 +105,21 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: 
     return _compiled_flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def positions_of(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """The positions [B, T] of a batch's tokens: a packed batch's own (data/packing.py), else 0..T-1."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """Which conversation each position of a row belongs to [B, T] (0, 1, ...): a new one
+    starts wherever the position does not follow its predecessor, as transformers reads
+    packed rows (masking_utils.find_packed_sequence_indices), so target and drafter agree."""
+    step = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1)
+    return (step != 1).cumsum(-1)
+
+
 def checkpointed(enabled: bool, fn: Callable, *args):
     """fn(*args), recomputed in backward rather than stored when `enabled` and grads are on."""
     if enabled and torch.is_grad_enabled():

@@ -41,7 +41,16 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import divides, option, positive
-from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
+from draftsmith.models.attention import (
+    block_mask,
+    check_backend,
+    checkpointed,
+    document_ids,
+    flex_attend,
+    is_block_mask,
+    positions_of,
+    use_flex,
+)
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
 from draftsmith.models.tile import auto_block, plan_tile
@@ -432,31 +441,35 @@ class DFlashDrafter(nn.Module):
 
     def training_hidden(self, target_hidden, blocks: "Blocks", embed: nn.Module) -> torch.Tensor:
         """All blocks of a batch in one pass: prediction-slot hidden [B, N, drafts, H]."""
-        batch, seq = target_hidden.shape[:2]
-        positions = torch.arange(seq, device=target_hidden.device).expand(batch, seq)
-        kv = self.context_kv(target_hidden, positions)
+        seq = target_hidden.shape[1]
+        kv = self.context_kv(target_hidden, blocks.context_positions)
         visible = training_mask(blocks.anchors, seq, self.config.block_size,
-                                use_flex(self.config.attention_backend, target_hidden.device))
+                                use_flex(self.config.attention_backend, target_hidden.device), blocks.docs)
         hidden = self(embed(blocks.input_ids.flatten(1)), blocks.positions.flatten(1), kv, visible)
         first = self.first_prediction_slot
         hidden = hidden.view(*blocks.anchors.shape, self.config.block_size, -1)
         return hidden[:, :, first:first + self.drafts_per_block]
 
-    def sample_blocks(self, input_ids, loss_mask, generator=None, anchors=None) -> "Blocks":
+    def sample_blocks(self, input_ids, loss_mask, generator=None, anchors=None, position_ids=None) -> "Blocks":
+        """Blocks at `anchors`, or drawn from `generator`; `position_ids` of a packed batch
+        (data/packing.py) keep every block inside its own conversation."""
+        docs = None if position_ids is None else document_ids(position_ids)
         if anchors is None:
-            anchors = sample_anchors(loss_mask, self.config.num_anchors, generator)
-        return make_blocks(input_ids, loss_mask, anchors, self.config)
+            anchors = sample_anchors(loss_mask, self.config.num_anchors, generator, docs)
+        return make_blocks(input_ids, loss_mask, anchors, self.config, position_ids)
 
     def loss(self, target_hidden, input_ids, loss_mask, embed: nn.Module,
              head: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator | None = None,
-             anchors: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+             anchors: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """Position-weighted cross-entropy over many random blocks per sequence.
 
         target_hidden [B, T, n*H_t] (target_layer_ids order), input_ids and loss_mask [B, T];
-        anchors [B, N] (-1 pads) instead of drawing them from `generator`.
+        anchors [B, N] (-1 pads) instead of drawing them from `generator`; position_ids [B, T]
+        of a packed batch.
         Metrics: conditional greedy accuracy acc_1..acc_{drafts}, tau_est, and the
         cross-entropy of each draft position ce_1..ce_{drafts}."""
-        blocks = self.sample_blocks(input_ids, loss_mask, generator, anchors)
+        blocks = self.sample_blocks(input_ids, loss_mask, generator, anchors, position_ids)
         logits = head(self.training_hidden(target_hidden, blocks, embed)).float()
         # SpecForge's DFlash weights (specforge/algorithms/common/dflash_family_model.py:418-432,
         # @ a6b6b02): every loss-masked draft inside the sequence, drafts past a gap in the
@@ -482,29 +495,43 @@ class Blocks:
     label_mask: torch.Tensor  # [B, N, drafts] float 0/1, a prefix: supervised drafts
     prev_tokens: torch.Tensor  # [B, N, drafts] the true token before each draft (teacher forcing)
     in_data: torch.Tensor  # [B, N, drafts] float 0/1: every loss-masked draft in the sequence, past gaps too
+    context_positions: torch.Tensor  # [B, T] the context tokens' positions (a packed row's restart per conversation)
+    docs: torch.Tensor | None  # [B, T] the conversation of each context token in a packed row; None: one per row
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """Up to `num_anchors` distinct random anchors per row, sorted; -1 pads short rows.
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+                   docs: torch.Tensor | None = None) -> torch.Tensor:
+    """Up to `num_anchors` distinct random anchors per row (per conversation of a packed
+    row, `docs`), sorted; -1 pads short rows.
 
-    An anchor a is a loss-masked position whose next token is loss-masked too, so that
-    its first draft is supervised (in decoding the anchor is always a generated token)."""
+    An anchor a is a loss-masked position whose next token is loss-masked too, in the same
+    conversation, so that its first draft is supervised (in decoding the anchor is always a
+    generated token)."""
     mask = loss_mask.bool()
     valid = mask[:, :-1] & mask[:, 1:]
+    doc = torch.zeros_like(valid, dtype=torch.long) if docs is None else docs[:, :-1]
+    if docs is not None:
+        valid &= docs[:, :-1] == docs[:, 1:]
     device = generator.device if generator is not None else loss_mask.device
     keys = torch.rand(valid.shape, generator=generator, device=device).to(loss_mask.device)
-    keys = keys.masked_fill(~valid, 2.0)  # invalid positions sort last
-    count = max(1, min(num_anchors, int(valid.sum(1).max()) if valid.numel() else 0))
-    order = keys.argsort(dim=1)[:, :count]
-    taken = torch.gather(valid, 1, order)
-    anchors = torch.where(taken, order, torch.full_like(order, valid.shape[1] + 1)).sort(dim=1).values
+    # Sorted by conversation, then valid ones first in random order: each conversation's first
+    # num_anchors are its draw (one conversation per row: the row's first num_anchors).
+    order = (keys.double().masked_fill(~valid, 2.0) + 4.0 * doc).argsort(dim=1)  # exact to ~2**50 conversations
+    index = torch.arange(order.shape[1], device=order.device).expand_as(order)
+    sorted_doc = torch.gather(doc, 1, order)
+    starts = torch.diff(sorted_doc, dim=1, prepend=sorted_doc[:, :1] - 1) != 0
+    rank = index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    taken = torch.gather(valid, 1, order) & (rank < num_anchors)
+    count = max(1, int(taken.sum(1).max()) if taken.numel() else 0)
+    anchors = torch.where(taken, order, torch.full_like(order, valid.shape[1] + 1)).sort(dim=1).values[:, :count]
     return anchors.masked_fill(anchors > valid.shape[1], -1)
 
 
 def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                config: DFlashConfig) -> Blocks:
-    """The training blocks of given anchors [B, N] (-1: padding)."""
+                config: DFlashConfig, position_ids: torch.Tensor | None = None) -> Blocks:
+    """The training blocks of given anchors [B, N] (-1: padding); `position_ids` [B, T] of a
+    packed batch: a block takes its anchor's position, and its drafts stop where the
+    anchor's conversation ends."""
     seq = input_ids.shape[1]
     drafts, size = config.drafts_per_block, config.block_size
     real = anchors >= 0
@@ -518,42 +545,58 @@ def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch
     gather = lambda t: torch.gather(t[:, None, :].expand(-1, anchors.shape[1], -1), 2, where)  # noqa: E731
     labels = gather(input_ids)
     in_data = inside & gather(loss_mask.bool()) & real[..., None]
+    positions = positions_of(input_ids, position_ids)
+    docs = None if position_ids is None else document_ids(positions)
+    if docs is not None:
+        in_data &= gather(docs) == torch.gather(docs, 1, anchors)[..., None]
     # Supervise a prefix only: acceptance stops at the first draft that leaves the data.
     label_mask = in_data.long().cumprod(-1).float()
     prev = torch.cat([ids[..., :1], labels[..., :-1]], dim=-1)
-    return Blocks(anchors, ids, anchors[..., None] + slots, labels, label_mask, prev, in_data.float())
+    block_positions = torch.gather(positions, 1, anchors)[..., None] + slots
+    return Blocks(anchors, ids, block_positions, labels, label_mask, prev, in_data.float(), positions, docs)
 
 
-def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int,
+                     docs: torch.Tensor | None = None) -> torch.Tensor:
     """Bool mask [B, 1, N*block, T + N*block] over keys [context; block 0; block 1; ...].
 
-    Query q of block i = q // block sees context key k iff k < anchors[:, i] and block key
-    k iff (k - T) // block == i: the context strictly before its anchor and its own block,
+    Query q of block i = q // block sees context key k iff k < anchors[:, i] (and, in a
+    packed row, k is of the anchor's conversation `docs`) and block key k iff
+    (k - T) // block == i: the context strictly before its anchor and its own block,
     nothing of any other block. `block_mask_mod` is the same predicate for flex attention.
     """
     queries = anchors.shape[1] * block_size
     block_of = torch.arange(queries, device=anchors.device) // block_size
     context = torch.arange(context_len, device=anchors.device) < anchors[:, block_of, None]  # [B, Q, T]
+    if docs is not None:
+        anchor_docs = torch.gather(docs, 1, anchors.clamp_min(0))
+        context &= docs[:, None, :] == anchor_docs[:, block_of, None]
     own = (block_of[:, None] == block_of[None, :]).expand(anchors.shape[0], -1, -1)
     return torch.cat([context, own], dim=-1)[:, None]
 
 
-def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int) -> Callable:
+def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int,
+                   docs: torch.Tensor | None = None) -> Callable:
     """`block_visibility`'s predicate as a flex-attention mask_mod (query q, key k)."""
+    anchor_docs = None if docs is None else torch.gather(docs, 1, anchors.clamp_min(0))
 
     def mask_mod(b, h, q, k):
         block = q // block_size
-        return torch.where(k < context_len, k < anchors[b, block], (k - context_len) // block_size == block)
+        context = k < anchors[b, block]
+        if docs is not None:  # block keys index past the context: clamped, and not read there
+            context = context & (docs[b, k.clamp(max=context_len - 1)] == anchor_docs[b, block])
+        return torch.where(k < context_len, context, (k - context_len) // block_size == block)
 
     return mask_mod
 
 
-def training_mask(anchors: torch.Tensor, context_len: int, block_size: int, flex: bool = False):
+def training_mask(anchors: torch.Tensor, context_len: int, block_size: int, flex: bool = False,
+                  docs: torch.Tensor | None = None):
     """The visibility of a training pass: the dense mask, or the flex BlockMask of the same rule."""
     if not flex:
-        return block_visibility(anchors, context_len, block_size)
+        return block_visibility(anchors, context_len, block_size, docs)
     queries = anchors.shape[1] * block_size
-    return block_mask(block_mask_mod(anchors, context_len, block_size), anchors.shape[0], queries,
+    return block_mask(block_mask_mod(anchors, context_len, block_size, docs), anchors.shape[0], queries,
                       context_len + queries, anchors.device)
 
 

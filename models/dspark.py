@@ -228,13 +228,13 @@ class DSparkDrafter(DFlashDrafter):
     def loss(self, target_hidden, input_ids, loss_mask, embed: nn.Module,
              head: Callable[[torch.Tensor], torch.Tensor], target_logits: torch.Tensor,
              generator: torch.Generator | None = None, anchors: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """0.1*CE + 0.9*TV + 1.0*BCE (config weights), position-weighted, teacher-forced.
 
         target_logits [B, T, V]: the frozen target's logits on the same sequences (position
         p predicts token p + 1), the distribution each draft is matched to."""
         cfg = self.config
-        blocks = self.sample_blocks(input_ids, loss_mask, generator, anchors)
+        blocks = self.sample_blocks(input_ids, loss_mask, generator, anchors, position_ids)
         hidden = self.training_hidden(target_hidden, blocks, embed)
         logits = self.refined_logits(head(hidden).float(), blocks.prev_tokens)
         ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none").view_as(blocks.label_mask)

@@ -38,7 +38,16 @@ from transformers.models.llama.modeling_llama import (
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import divides, option, positive
-from draftsmith.models.attention import block_mask, check_backend, checkpointed, flex_attend, is_block_mask, use_flex
+from draftsmith.models.attention import (
+    block_mask,
+    check_backend,
+    checkpointed,
+    document_ids,
+    flex_attend,
+    is_block_mask,
+    positions_of,
+    use_flex,
+)
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
 
@@ -269,17 +278,20 @@ def attend(q, k, v, visible, own_k=(), own_v=()) -> torch.Tensor:
     return out.transpose(1, 2).flatten(2)
 
 
-def ttt_mask_mod(length: int, real: torch.Tensor | None):
+def ttt_mask_mod(length: int, real: torch.Tensor | None, docs: torch.Tensor | None = None):
     """The visibility of TTT step i as a flex-attention mask_mod over the concatenated keys
     [step 0 (`length`); step 1; ...; step i]: `attend`'s rule. Step-0 key k is visible to
-    query q when k <= q and k is a real token (`real` [B, length] bool, None: all) or k == q;
-    a key of a later step only at the query's own index."""
+    query q when k <= q and k is a real token (`real` [B, length] bool, None: all) of the
+    query's conversation (`docs` [B, length] in a packed row, None: one) or k == q; a key of
+    a later step only at the query's own index."""
 
     def mask_mod(b, h, q, k):
         pos = k % length
         context = pos <= q
         if real is not None:
             context = context & (real[b, pos] | (pos == q))
+        if docs is not None:
+            context = context & (docs[b, pos] == docs[b, q])
         return torch.where(k < length, context, pos == q)
 
     return mask_mod
@@ -398,21 +410,24 @@ class Eagle3Drafter(nn.Module):
 
     # ---- training-time test ------------------------------------------------------------
 
-    def ttt_logits(self, target_hidden, input_ids, attention_mask=None) -> list[torch.Tensor]:
+    def ttt_logits(self, target_hidden, input_ids, attention_mask=None, position_ids=None) -> list[torch.Tensor]:
         """Draft logits [B, T, V_d] of every unrolled step; see `loss` for the alignment."""
         batch, length = input_ids.shape
         device = input_ids.device
         hidden = self.fuse(target_hidden)
-        positions = torch.arange(length, device=device).expand(batch, length)
+        positions = positions_of(input_ids, position_ids)
+        docs = None if position_ids is None else document_ids(positions)
         visible = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
         if attention_mask is not None:  # padded keys are hidden; a query always sees itself
             eye = torch.eye(length, dtype=torch.bool, device=device)
             visible = visible & (attention_mask.bool()[:, None, :] | eye)
+        if docs is not None:  # a packed row: each conversation sees only itself
+            visible = visible & (docs[:, :, None] == docs[:, None, :])
         visible = visible.expand(batch, length, length)[:, None]
         flex = use_flex(self.config.attention_backend, device)
         if flex:  # one BlockMask per step: step i reads (i + 1) * length keys
             real = None if attention_mask is None else attention_mask.bool()
-            mask_mod = ttt_mask_mod(length, real)
+            mask_mod = ttt_mask_mod(length, real, docs)
             visible = [block_mask(mask_mod, batch, length, (i + 1) * length, device)
                        for i in range(self.config.ttt_length)]
         recompute = self.gradient_checkpointing and self.training
@@ -447,12 +462,14 @@ class Eagle3Drafter(nn.Module):
         draft = target_logits[..., self.draft_to_target]
         return (draft.float() - log_normaliser(target_logits)).to(draft.dtype), target_logits.argmax(-1)
 
-    def forward(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None):
+    def forward(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None,
+                position_ids=None):
         """The training step is a forward, so that DDP/FSDP/ZeRO wrappers see it: call the
         wrapped module as `model(...)`; unwrapped, `loss(...)` is the same call."""
-        return self.loss(target_hidden, input_ids, target_logits, loss_mask, attention_mask, target_top)
+        return self.loss(target_hidden, input_ids, target_logits, loss_mask, attention_mask, target_top, position_ids)
 
-    def loss(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None):
+    def loss(self, target_hidden, input_ids, target_logits, loss_mask, attention_mask=None, target_top=None,
+             position_ids=None):
         """TTT loss over `ttt_length` unrolled steps -> (loss, metrics).
 
         Inputs all come from one target forward over `input_ids` [B, T]: target_hidden
@@ -460,7 +477,8 @@ class Eagle3Drafter(nn.Module):
         pair: draft-vocabulary log-probabilities [B, T, V_d] and target_top [B, T]);
         loss_mask [B, T] marks the tokens to learn to predict (assistant tokens); attention_mask [B, T] marks real
         tokens (pads are hidden from attention; positions are 0..T-1, as in a target forward
-        given no position ids).
+        given no position ids, or a packed batch's `position_ids` [B, T], data/packing.py: then
+        a position attends to and learns labels of its own conversation only).
 
         Alignment. Drafter index t, step i (0-based) is the i-th draft of a chain whose
         committed context ends at position t: it reads (hidden, token x_{t+1+i}) at RoPE
@@ -492,7 +510,7 @@ class Eagle3Drafter(nn.Module):
         with an LK loss also accept_k, the step's expected acceptance that LK trains.
         """
         length = input_ids.shape[1]
-        steps = self.ttt_logits(target_hidden, input_ids, attention_mask)
+        steps = self.ttt_logits(target_hidden, input_ids, attention_mask, position_ids)
         draft_ids = self.draft_to_target
         lk = self.config.loss != "ce"
         with torch.no_grad():
@@ -503,11 +521,16 @@ class Eagle3Drafter(nn.Module):
             target_mass = target_logits.float().exp() if lk else None
             reachable = self.t2d[target_top]
         learn = loss_mask.bool() if attention_mask is None else loss_mask.bool() & attention_mask.bool()
+        # A label of another conversation than its position's (a packed row) is never learned.
+        docs = None if position_ids is None else document_ids(position_ids)
+        same = (lambda shift: docs[:, shift:] == docs[:, : length - shift]) if docs is not None else None
         total = target_hidden.new_zeros((), dtype=torch.float32)
         step_losses, step_accs, step_accepts = [], [], []
         for i, logits in enumerate(steps):
             n = max(length - 2 - i, 0)  # indices t whose label x_{t+2+i} is inside the sequence
             mask = learn[:, 2 + i : 2 + i + n]
+            if same is not None:
+                mask = mask & same(2 + i)
             trained = mask & reachable[:, 1 + i : 1 + i + n]
             pred = logits[:, :n].float()
             mass = target_mass[:, 1 + i : 1 + i + n] if lk else None
@@ -518,7 +541,7 @@ class Eagle3Drafter(nn.Module):
                 step_accepts.append(accept)
             hits = (draft_ids[pred.argmax(-1)] == target_top[:, 1 + i : 1 + i + n]) & mask
             step_accs.append(hits.sum() / mask.sum().clamp(min=1))
-        first = learn[:, 2:]
+        first = learn[:, 2:] if same is None else learn[:, 2:] & same(2)
         coverage = (first & reachable[:, 1:-1]).sum() / first.sum().clamp(min=1)
         values = torch.stack(step_losses + step_accs + [coverage] + step_accepts).tolist()  # one device sync
         k = len(steps)

@@ -34,9 +34,10 @@ drafters keep fp32 weights under bf16 autocast; on a CPU everything is fp32, as 
     python scripts/bench_train.py [--device cuda] [--repeats 5] [--hidden 512 ...]
 
 Padding (`--padding`): real (non-padding) tokens per second of whole online steps (target
-forward + drafter step) over the same rows batched three ways, side by side: padded to
+forward + drafter step) over the same rows batched four ways, side by side: padded to
 seq_len (as train/posthoc.py's rows were batched before), each batch cut to its longest
-row, and cut with rows grouped by length (data.group_by_length). The rows are synthetic,
+row, cut with rows grouped by length (data.group_by_length), and each batch's rows packed
+end to end into rows of seq_len (data.packing). The rows are synthetic,
 with chat-shaped lengths (log-normal, median a quarter of seq_len, long tail, cut at seq_len);
 the three batchings run interleaved, batch by batch, so that drift hits all alike.
 
@@ -237,22 +238,22 @@ def build_drafter(method: str, target, args, backend: str | None):
 def loss_fn(method: str, drafter, target, batch, out):
     """train/method_*.py's `loss` on features extracted once from `out` (its `extract`)."""
     ids, device = batch["input_ids"], batch["input_ids"].device
+    packed = batch.get("position_ids")  # a packed batch's (data/packing.py)
     layers = list(drafter.config.target_layer_ids)
     hidden = concat_layers(out.hidden, layers)
     if method == "eagle3":
         with torch.no_grad():  # the draft-vocabulary columns and the argmax, as the method caches them
             logits, top = drafter.teacher(out.logits)
         return lambda: drafter.loss(hidden.float(), ids, logits.float(), batch["loss_mask"],
-                                    batch["attention_mask"], target_top=top)
+                                    batch["attention_mask"], target_top=top, position_ids=packed)
     head_module, embed = target.get_output_embeddings(), target.get_input_embeddings()
     head = lambda h: head_module(h.to(head_module.weight.dtype))  # noqa: E731
     mask = batch["loss_mask"] * batch["attention_mask"]
 
     def run():
         gen = torch.Generator(device=device).manual_seed(0)  # the same blocks every repeat
-        if method == "dspark":
-            return drafter.loss(hidden.float(), ids, mask, embed, head, out.logits, generator=gen)
-        return drafter.loss(hidden.float(), ids, mask, embed, head, generator=gen)
+        extra = (out.logits,) if method == "dspark" else ()
+        return drafter.loss(hidden.float(), ids, mask, embed, head, *extra, generator=gen, position_ids=packed)
 
     return run
 
@@ -344,12 +345,13 @@ def batchings(rows, batch: int, seed: int = 0) -> dict[str, list[dict[str, torch
     from torch.utils.data import default_collate
 
     from draftsmith.data.batching import LengthGroupedSampler, batches_of, real_length, trim_padding
+    from draftsmith.data.packing import pack_rows
 
     shuffled = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     lengths = real_length(torch.stack([r["attention_mask"] for r in rows])).tolist()
     grouped = list(LengthGroupedSampler(lengths, batch, seed))
     ways = {"padded to seq_len": (default_collate, shuffled), "cut to longest row": (trim_padding, shuffled),
-            "cut, grouped by length": (trim_padding, grouped)}
+            "cut, grouped by length": (trim_padding, grouped), "packed": (pack_rows, shuffled)}
     return {name: [collate([rows[i] for i in b]) for b in batches_of(order, batch)]
             for name, (collate, order) in ways.items()}
 
@@ -368,8 +370,10 @@ def measure_padding(method, target, ways, args, clock, capture) -> dict[str, dic
     def step(batch) -> float:
         batch = {k: v.to(device) for k, v in batch.items()}
         start = clock.mark()
+        packed = batch.get("position_ids")  # by positions alone, as train/posthoc.py feeds a packed batch
         with torch.no_grad():
-            out = target_forward(target, batch["input_ids"], attention_mask=batch["attention_mask"], capture=capture)
+            out = target_forward(target, batch["input_ids"], position_ids=packed, capture=capture,
+                                 attention_mask=batch["attention_mask"] if packed is None else None)
         with autocast:
             value, _ = loss_fn(method, drafter, target, batch, out)()
         value.backward()

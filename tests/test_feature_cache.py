@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 import draftsmith.train.posthoc as posthoc_module
 from draftsmith.cli import main
 from draftsmith.data.feature_cache import _human
+from draftsmith.data.packing import pack_rows
 from draftsmith.errors import DraftsmithError
 from draftsmith.registry import posthoc
+from draftsmith.train import loop
 from draftsmith.train.loop import train
 from draftsmith.train.posthoc import PostHocMethod
 from tiny_runs import ROOT, for_method, overrides, tiny_recipe
@@ -47,13 +49,13 @@ def target(tmp_path_factory):
 
 
 def recipe(name, run, target, **extra):
-    return tiny_recipe(name, run, target__path=str(target), **POSTHOC, **settings(name), **extra)
+    return tiny_recipe(name, run, target__path=str(target), **{**POSTHOC, **settings(name), **extra})
 
 
-def cache_hidden(name, run, target, out, *flags) -> int:
+def cache_hidden(name, run, target, out, *flags, **extra) -> int:
     """The CLI, given the recipe that `run` trains with."""
     return main(["data", "cache-hidden", "--recipe", str(ROOT / "recipes" / "tiny" / f"{name}.yaml"),
-                 "--target", str(target), "--method", name, *overrides(run, **POSTHOC, **settings(name)),
+                 "--target", str(target), "--method", name, *overrides(run, **{**POSTHOC, **settings(name), **extra}),
                  "--out", str(out), *flags])
 
 
@@ -160,3 +162,28 @@ def test_a_cache_made_for_something_else_is_refused_in_one_line(target, tmp_path
     capsys.readouterr()
     assert cache_hidden("dflash", tmp_path / "run", target, eagle3) == 2
     assert "holds a feature cache of other features or rows (method differs)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", posthoc())
+def test_packed_training_from_the_cache_is_packed_training_online(name, target, tmp_path, monkeypatch):
+    """data.packing packs the cache's stored features as it packs the rows online, whose
+    target forward then reads each conversation alone (tests/test_packing.py)."""
+    online, cache = tmp_path / "online", tmp_path / "cache"
+    wide = dict(train__seq_len=200)  # rows of up to ~90 tokens: two or more share a row
+    assert cache_hidden(name, online, target, cache, **wide) == 0
+    saved = []  # rows per batch saved by packing
+
+    def packing(rows):
+        batch = pack_rows(rows)
+        saved.append(len(rows) - batch["input_ids"].shape[0])
+        return batch
+
+    monkeypatch.setattr(loop, "pack_rows", packing)
+    train(recipe(name, online, target, data__packing=True, **wide))
+    assert sum(saved) > 0
+    cached = tmp_path / "cached"
+    train(recipe(name, cached, target, data__feature_cache=str(cache), data__packing=True, **wide))
+    logged = metrics(online)
+    assert len(logged) == 6 and "val/loss" in logged[-1]
+    for got, want in zip(metrics(cached), logged, strict=True):
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-6)

@@ -142,7 +142,7 @@ def test_grouped_rows_resume_on_the_uninterrupted_trajectory(work, monkeypatch):
     assert resumed == pytest.approx(straight, rel=1e-5)
 
 
-def test_bench_train_compares_real_tokens_per_second_of_the_three_batchings(tmp_path):
+def test_bench_train_compares_real_tokens_per_second_of_the_four_batchings(tmp_path):
     import sys
 
     from test_bench_scripts import TINY_TRAIN, md_tables, run
@@ -152,9 +152,11 @@ def test_bench_train_compares_real_tokens_per_second_of_the_three_batchings(tmp_
     [table] = md_tables(out)
     assert [(r["method"], r["batching"]) for r in table] == [
         (m, b) for m in ("eagle3", "dflash", "dspark")
-        for b in ("padded to seq_len", "cut to longest row", "cut, grouped by length")]
-    for first, cut, grouped in zip(table[::3], table[1::3], table[2::3]):
+        for b in ("padded to seq_len", "cut to longest row", "cut, grouped by length", "packed")]
+    for first, cut, grouped, packed in zip(table[::4], table[1::4], table[2::4], table[3::4]):
         assert first["x padded"] == "1.00x" and float(cut["real tok/s"]) > 0
-        # The same rows each way: cutting removes padding, and grouping leaves no more of it than random batches.
+        # The same rows each way: cutting removes padding, grouping leaves no more of it than random
+        # batches, and packing the random batches less than cutting them.
         assert int(cut["padding %"]) < int(first["padding %"]) and int(grouped["padding %"]) <= int(cut["padding %"])
+        assert int(packed["padding %"]) < int(cut["padding %"])
     assert md_tables((tmp_path / "padding.md").read_text()) == [table]

@@ -30,6 +30,8 @@ def anchor_seed(seed: int, micro: int, process: int, training: bool) -> int:
 
 
 class DFlashTraining(PostHocMethod):
+    packs = True  # position_ids reach the loss (data/packing.py)
+
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
         drafter = self.build_drafter(dict(recipe.method.params))
@@ -75,7 +77,8 @@ class DFlashTraining(PostHocMethod):
         mask = batch["loss_mask"] * batch["attention_mask"]
         gen = torch.Generator(device=batch["input_ids"].device).manual_seed(
             anchor_seed(self.recipe.train.seed, micro, self.process_index, model.training))
-        return model(hidden, batch["input_ids"], mask, self.embed, self.head, *self.loss_inputs(f), generator=gen)
+        return model(hidden, batch["input_ids"], mask, self.embed, self.head, *self.loss_inputs(f), generator=gen,
+                     position_ids=batch.get("position_ids"))  # a packed batch's (data/packing.py)
 
     def save(self, model, out_dir: Path) -> Path:
         return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

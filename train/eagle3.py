@@ -18,6 +18,8 @@ from draftsmith.train.posthoc import LossForward, PostHocMethod
 
 
 class Eagle3Training(PostHocMethod):
+    packs = True  # position_ids reach the loss (data/packing.py)
+
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
         drafter = Eagle3Drafter.from_target(self.target, **recipe.method.params)
@@ -48,7 +50,8 @@ class Eagle3Training(PostHocMethod):
     def loss(self, model, batch, step, micro=0):
         f = self.features(batch)
         return model(f["hidden"].float(), batch["input_ids"], f["logits"].float(), batch["loss_mask"],
-                     batch["attention_mask"], target_top=f["target_top"])
+                     batch["attention_mask"], target_top=f["target_top"],
+                     position_ids=batch.get("position_ids"))  # a packed batch's (data/packing.py)
 
     def save(self, model, out_dir: Path) -> Path:
         return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

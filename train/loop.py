@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from draftsmith.data.batching import LengthGroupedSampler, real_length, trim_padding
+from draftsmith.data.packing import pack_rows
 from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.fsutil import (
     apply_user_modes,
@@ -240,7 +241,8 @@ def _finite_file(file: Path) -> bool:
 
 
 def make_loaders(method, recipe: Recipe) -> tuple[DataLoader, DataLoader]:
-    """The training and evaluation loaders: each batch cut to its longest row (data/batching.py);
+    """The training and evaluation loaders: each batch cut to its longest row (data/batching.py),
+    or its conversations packed into rows with data.packing (data/packing.py);
     training rows shuffled, or grouped by length with data.group_by_length, from train.seed."""
     t = recipe.train
     if isinstance(method.train_data, IterableDataset):  # a stream (data.streaming): rows in corpus order
@@ -250,9 +252,13 @@ def make_loaders(method, recipe: Recipe) -> tuple[DataLoader, DataLoader]:
         order = {"sampler": LengthGroupedSampler(lengths, t.batch_size, t.seed)}
     else:  # accelerate swaps in its seedable sampler (DataLoaderConfiguration in make_accelerator)
         order = {"shuffle": True, "generator": torch.Generator().manual_seed(t.seed)}
-    train_loader = DataLoader(method.train_data, batch_size=t.batch_size, drop_last=True, collate_fn=trim_padding,
+    if recipe.data.packing and not method.packs:
+        raise DraftsmithError(f"data.packing: method {recipe.method.name} does not read packed rows "
+                              "(its loss takes no per-conversation positions)")
+    collate = pack_rows if recipe.data.packing else trim_padding
+    train_loader = DataLoader(method.train_data, batch_size=t.batch_size, drop_last=True, collate_fn=collate,
                               **order)
-    eval_loader = DataLoader(method.eval_data, batch_size=t.batch_size, shuffle=False, collate_fn=trim_padding)
+    eval_loader = DataLoader(method.eval_data, batch_size=t.batch_size, shuffle=False, collate_fn=collate)
     if not isinstance(method.train_data, IterableDataset) and len(train_loader) == 0:
         raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: fewer training rows than train.batch_size={t.batch_size}")
     return train_loader, eval_loader

@@ -26,6 +26,7 @@ class TrainMethod:
     train_data: Any  # a map-style dataset of dicts of equal-shape tensors, or a stream (an IterableDataset)
     eval_data: Any
     total_steps: int = 0  # the run's optimizer steps, set by the loop once the data is known (train.num_epochs)
+    packs: bool = False  # its loss reads a packed batch's position_ids (data.packing, data/packing.py)
 
     def __init__(self, recipe: Recipe, device: torch.device):
         self.recipe = recipe

@@ -260,9 +260,12 @@ class PostHocMethod(TrainMethod):
         """`extract` of the frozen target's forward over the batch, or its cached copy."""
         if self.cache is not None:
             return {k: batch[k] for k in self.cache.manifest["tensors"]}
+        # A packed batch goes in by its positions alone: transformers then masks each conversation
+        # off from the others (packed-sequence masks on every attention backend; data/packing.py).
+        packed = batch.get("position_ids")
         with torch.no_grad():
-            out = target_forward(self.target, batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 capture=self.layer_ids)
+            out = target_forward(self.target, batch["input_ids"], position_ids=packed, capture=self.layer_ids,
+                                 attention_mask=batch["attention_mask"] if packed is None else None)
             return self.extract(out)
 
     def tokens_in(self, batch) -> int:
