@@ -20,10 +20,26 @@ the engines read and feed (sources read for this file; tests/test_exports.py res
   every draft step, fed `spec_info.hidden_states` (again the target's post-norm state).
 So `--format vllm` writes all K modules and `--format sglang` module 1 alone (a K-module
 run says so in one line). Both engines run MTP only for architectures that declare it
-(DeepSeek-V3 and its relatives), so these layouts are offered for DeepSeek-style targets
-only. For Llama, Qwen3 and the other targets no engine builds MTP modules: the run's
+(DeepSeek-V3 and its relatives, Qwen3-Next below), so these layouts are offered for those
+targets only. For Llama, Qwen3 and the other targets no engine builds MTP modules: the run's
 `mtp/` folder is for draftsmith's own decoder (`eval --drafter mtp:RUN`), and the export
 says so instead of writing a folder that would look loadable.
+
+Qwen3-Next checkpoints hold one MTP module under `mtp.`, read by vLLM's Qwen3NextMTP
+(vllm/model_executor/models/qwen3_next_mtp.py @ 055e47c28003: `mtp.` renamed to its
+predictor, `num_nextn_predict_layers` layers, one `fc` and norm set for all, GemmaRMSNorm
+norms, step k running layer k mod count): `fc` (our `eh_proj`, input
+[embedding; hidden]), `pre_fc_norm_embedding` (`enorm`), `pre_fc_norm_hidden` (`hnorm`),
+`layers.0.*` (the block: a full-attention decoder layer under the target's names), `norm`
+(`shared_head.norm`), the norms zero-centred as the target's; embedding and head are the
+target's. The module's output after `norm` is what the next draft reads (`chain_input`
+normed). Its config.json names no MTP key; the written folder sets `num_nextn_predict_layers`
+to 1 (vLLM's count of MTP layers, and how draftsmith tells the folder holds MTP modules).
+`fc` and the norms are shared by every `mtp.layers.N`, so the layout holds one module of ours:
+a K-module run of a Qwen3-Next target is refused in one line.
+
+`load_any` reads all of these, and `init: from_target` (train/mtp.py) reads a target's
+shipped modules through it; export writes tuned modules back under the same names.
 
 The written folder is the target's, with the modules' tensors added (a shard of their own
 plus an index when the target is sharded) and `num_nextn_predict_layers` set; transformers
@@ -47,6 +63,12 @@ from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
 
 DEEPSEEK_TYPES = ("deepseek_v3",)  # model_type of targets whose engines run MTP (read in their sources)
+QWEN3_NEXT_TYPES = ("qwen3_next",)  # mtp.* beside the target, one module
+ENGINE_TYPES = DEEPSEEK_TYPES + QWEN3_NEXT_TYPES
+QWEN3_NEXT_PREFIX = "mtp."
+# Our (DeepSeek's) names of a module's own parts -> Qwen3-Next's; its block sits under mtp.layers.0.
+_QWEN3_NEXT_NAMES = (("enorm.", "pre_fc_norm_embedding."), ("hnorm.", "pre_fc_norm_hidden."), ("eh_proj.", "fc."),
+                     ("shared_head.norm.", "norm."))
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the target's, repeated per module
 MTP_SHARD = "model-mtp.safetensors"
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -85,7 +107,7 @@ def _export(folder, out_dir, dtype: str | None, modules: int | None) -> Path:
         raise DraftsmithError(f"--dtype {dtype}: the MTP layout is the target's own folder, in the target's dtype "
                               f"({dtype_name(own)}); convert the target itself to change it")
     heads = load_drafter(mtp_dir(folder), "mtp", target)
-    return write_deepseek(heads, target, folder, out_dir, modules=modules)
+    return write_engine_layout(heads, target, folder, out_dir, modules=modules)
 
 
 def check_engine_layout(folder: Path, fmt: str = "") -> None:
@@ -97,22 +119,39 @@ def check_engine_layout(folder: Path, fmt: str = "") -> None:
 
         check_mtp_type(config, f"{folder}/config.json")
         return
-    if config.get("model_type") not in DEEPSEEK_TYPES:
+    if config.get("model_type") not in ENGINE_TYPES:
         arch = (config.get("architectures") or [config.get("model_type")])[0]
         raise DraftsmithError(
             f"{folder}: the target is {arch}; serving engines run MTP modules only for architectures that declare "
-            f"them (DeepSeek-V3 style, num_nextn_predict_layers), so the MTP modules in {folder}/{MTP_DIR} are for "
-            f"draftsmith's own decoder: evaluate them with eval --drafter mtp:{folder}")
+            f"them (DeepSeek-V3 style, num_nextn_predict_layers; Qwen3-Next's mtp.*), so the MTP modules in "
+            f"{folder}/{MTP_DIR} are for draftsmith's own decoder: evaluate them with eval --drafter mtp:{folder}")
 
 
-def write_deepseek(heads: MTPDrafter, target, target_dir: str | Path, out_dir: str | Path,
-                   modules: int | None = None) -> Path:
-    """The target folder with the first `modules` MTP modules (all when None) added."""
+def write_engine_layout(heads: MTPDrafter, target, target_dir: str | Path, out_dir: str | Path,
+                        modules: int | None = None) -> Path:
+    """The target folder with the first `modules` MTP modules (all when None) added, named
+    as the engines read the target's family (DeepSeek-V3's extra layers, Qwen3-Next's mtp.*)."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    if target.config.model_type in QWEN3_NEXT_TYPES:
+        if heads.num_depths > 1:
+            raise DraftsmithError(f"{target_dir}: Qwen3-Next's MTP layout holds one module (mtp.fc and its norms "
+                                  f"are shared by every mtp.layers.N); this run trained {heads.num_depths}: train "
+                                  "with method.num_depths=1 (method.init=from_target takes the checkpoint's one)")
+        count, tensors = 1, _qwen3_next_tensors(heads)
+    else:
+        count = heads.num_depths if modules is None else min(modules, heads.num_depths)
+        tensors = _deepseek_tensors(heads, target, count)
+    # The checkpoint's names, not the module's (transformers fuses MoE experts in memory).
+    # Each module's copy of the shared tensors is its own tensor in the file, as in DeepSeek's.
+    tensors = {k: v.detach().cpu().clone() for k, v in revert_weight_conversion(target, tensors).items()}
+    mtp = {"modules_trained": heads.num_depths, "modules_written": count}
+    return _write_folder(tensors, {"num_nextn_predict_layers": count, "draftsmith_mtp": mtp}, target_dir, out_dir)
+
+
+def _deepseek_tensors(heads: MTPDrafter, target, count: int) -> dict[str, torch.Tensor]:
+    """Modules 0..count-1 as `model.layers.{N + k}.*`, each with its copy of the shared tensors."""
     n = target.config.num_hidden_layers
-    count = heads.num_depths if modules is None else min(modules, heads.num_depths)
     shared = {"embed_tokens.weight": target.get_input_embeddings().weight,
               "shared_head.head.weight": target.get_output_embeddings().weight}
     tensors = {}
@@ -122,19 +161,36 @@ def write_deepseek(heads: MTPDrafter, target, target_dir: str | Path, out_dir: s
             tensors[f"model.layers.{n + int(k)}.{rest}"] = tensor
     for k in range(count):
         tensors.update({f"model.layers.{n + k}.{name}": t for name, t in shared.items()})
-    # The checkpoint's names, not the module's (transformers fuses MoE experts in memory).
-    # Each module's copy of the shared tensors is its own tensor in the file, as in DeepSeek's.
-    tensors = {k: v.detach().cpu().clone() for k, v in revert_weight_conversion(target, tensors).items()}
+    return tensors
+
+
+def _qwen3_next_tensors(heads: MTPDrafter) -> dict[str, torch.Tensor]:
+    """Module 1 under `mtp.`: its own parts by Qwen3-Next's names, its block as mtp.layers.0
+    (no embedding or head: the engines take the target's)."""
+    out = {}
+    for name, tensor in heads.native_state().items():
+        _, k, rest = name.split(".", 2)
+        if k == "0":
+            own = _renamed(rest, _QWEN3_NEXT_NAMES)
+            out[QWEN3_NEXT_PREFIX + (own if own != rest else f"layers.0.{rest}")] = tensor
+    return out
+
+
+def _renamed(name: str, pairs) -> str:
+    """`name` with the first of its (old, new) prefixes that it starts with replaced."""
+    return next((new + name.removeprefix(old) for old, new in pairs if name.startswith(old)), name)
+
+
+def _write_folder(tensors: dict, config_update: dict, target_dir: str | Path, out_dir: str | Path) -> Path:
+    """A copy of the target folder with `tensors` added and config.json updated."""
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
     index_file = target_dir / "model.safetensors.index.json"
     with atomic_dir(out_dir) as tmp:
         for item in target_dir.iterdir():
             if item.name == MTP_DIR or item.name == "config.json":
                 continue
             (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        config = read_json(target_dir / "config.json")
-        config["num_nextn_predict_layers"] = count
-        config["draftsmith_mtp"] = {"modules_trained": heads.num_depths, "modules_written": count}
-        write_json(tmp / "config.json", config)
+        write_json(tmp / "config.json", {**read_json(target_dir / "config.json"), **config_update})
         if index_file.is_file():  # sharded: the modules get a shard of their own
             index = read_json(index_file)
             save_file(tensors, str(tmp / MTP_SHARD), metadata={"format": "pt"})
@@ -148,11 +204,16 @@ def write_deepseek(heads: MTPDrafter, target, target_dir: str | Path, out_dir: s
 
 
 def load_any(path: str | Path, target) -> MTPDrafter:
-    """MTP modules of a draftsmith run or target folder (its mtp/) or of a DeepSeek-style
-    folder (`model.layers.{N + k}`, `num_nextn_predict_layers`), for `target`."""
-    if identify(path)[0] is None:
-        mtp_dir(path)  # a model folder without MTP modules: says so in one line
-    layout, config = expect(path, "mtp")
+    """MTP modules of a draftsmith run or target folder (its mtp/), of a DeepSeek-style folder
+    (`model.layers.{N + k}`, `num_nextn_predict_layers`) or of a Qwen3-Next one (`mtp.*`), for `target`."""
+    path = Path(path)
+    found, layout, config = identify(path)
+    # Qwen3-Next ships mtp.* with no config key naming them: its family says where to look.
+    shipped = found is None and config.get("model_type") in QWEN3_NEXT_TYPES
+    if not shipped:
+        if found is None:
+            mtp_dir(path)  # a model folder without MTP modules: says so in one line
+        layout, config = expect(path, "mtp")
     if layout == SPECULATORS:
         from draftsmith.models.speculators_format import load
 
@@ -165,20 +226,74 @@ def load_any(path: str | Path, target) -> MTPDrafter:
                               "evaluate them against the target they extend")
     if layout == NATIVE:
         return load_drafter(mtp_dir(path), "mtp", target)
-    n, depth = config.get("num_hidden_layers"), int(config["num_nextn_predict_layers"])
+    return load_shipped(path, config, target)
+
+
+def load_from_target(folder: str | Path, target) -> MTPDrafter:
+    """`method.init: from_target`: the MTP modules the target's own folder carries (a draftsmith
+    run's mtp/, or its family's engine layout, which transformers skips on load), read by
+    `load_any`; what is missing is one line naming the key."""
+    folder = Path(folder)
+    family = read_json(folder / "config.json").get("model_type")
+    if not (folder / MTP_DIR).is_dir() and family not in ENGINE_TYPES:
+        raise DraftsmithError(f"method.init=from_target: target {folder} ({family}) ships no MTP modules draftsmith "
+                              "reads (DeepSeek-V3 style model.layers.{N+k} with num_nextn_predict_layers, Qwen3-Next "
+                              "style mtp.*, or a draftsmith run's mtp/); use method.init=new")
+    try:
+        return load_any(folder, target)
+    except DraftsmithError as exc:
+        raise DraftsmithError(f"method.init=from_target: {exc}") from None
+
+
+def load_shipped(path: Path, config: dict, target) -> MTPDrafter:
+    """The modules a checkpoint carries in its family's engine layout; K, and what each depth
+    passes on (chain_input), as the engines run that family."""
+    n = config.get("num_hidden_layers")
     if n != target.config.num_hidden_layers or config.get("hidden_size") != target.config.hidden_size:
         raise DraftsmithError(f"{path}/config.json: MTP modules of a target with {n} layers of width "
                               f"{config.get('hidden_size')}; the target has {target.config.num_hidden_layers} "
                               f"of width {target.config.hidden_size}")
-    stored = _read(Path(path), tuple(f"model.layers.{n + k}." for k in range(depth)))
+    if config.get("model_type") in QWEN3_NEXT_TYPES:
+        state, chain = _qwen3_next_state(path), "normed"  # vLLM's Qwen3-Next MTP chains on its output after mtp.norm
+    else:
+        state, chain = _deepseek_state(path, n, int(config["num_nextn_predict_layers"])), "hidden"
+    depth = 1 + max(int(name.split(".")[1]) for name in state)
+    return MTPDrafter.from_native(MTPConfig(num_depths=depth, chain_input=chain), _fuse_experts(state), target,
+                                  source=str(path))
+
+
+def _deepseek_state(path: Path, n: int, depth: int) -> dict[str, torch.Tensor]:
+    """`model.layers.{N + k}.*` -> our `layers.k.*`, the shared embedding and head left out."""
+    stored = _read(path, tuple(f"model.layers.{n + k}." for k in range(depth)))
     state = {}
     for name, tensor in stored.items():
         _, _, layer, rest = name.split(".", 3)
         if rest not in SHARED:
             state[f"layers.{int(layer) - n}.{rest}"] = tensor
-    if not state:
-        raise DraftsmithError(f"{path}: no tensors under model.layers.{n}. (num_nextn_predict_layers {depth})")
-    return MTPDrafter.from_native(MTPConfig(num_depths=depth), _fuse_experts(state), target, source=str(path))
+    held = {int(name.split(".")[1]) for name in state}
+    if held != set(range(depth)):
+        # transformers writes num_nextn_predict_layers 1 into every DeepSeek-V3 config, weights or not
+        raise DraftsmithError(f"{path}: config.json declares num_nextn_predict_layers {depth} but no MTP tensors "
+                              f"are stored under model.layers.{n + min(set(range(depth)) - held)}.")
+    return state
+
+
+def _qwen3_next_state(path: Path) -> dict[str, torch.Tensor]:
+    """`mtp.*` -> our module 0: its block from mtp.layers.0, its own parts renamed."""
+    stored = _read(path, (QWEN3_NEXT_PREFIX,))
+    if not stored:
+        raise DraftsmithError(f"{path}: no mtp.* tensors in its safetensors (a Qwen3-Next checkpoint's MTP module)")
+    layers = sorted({name.split(".")[2] for name in stored if name.startswith("mtp.layers.")})
+    if layers != ["0"]:
+        raise DraftsmithError(f"{path}: Qwen3-Next-style MTP layers {layers or 'none'} under mtp.layers.N: one "
+                              "module (mtp.layers.0 with mtp.fc and its norms) is what draftsmith reads")
+    theirs = tuple((new, old) for old, new in _QWEN3_NEXT_NAMES)
+    state = {}
+    for name, tensor in stored.items():
+        rest = name.removeprefix(QWEN3_NEXT_PREFIX)
+        own = rest.removeprefix("layers.0.") if rest.startswith("layers.") else _renamed(rest, theirs)
+        state[f"layers.0.{own}"] = tensor
+    return state
 
 
 def _read(folder: Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -15,6 +15,10 @@ the final norm too, and one checkpoint means the same here and in an engine:
 The block is the target's own decoder-layer class, so the MTP modules load into any
 engine that builds them from the target's config. The embedding and output head are the
 target's (shared, never copied).
+
+`init: from_target` starts from the modules a checkpoint ships (DeepSeek-V3's extra layers,
+Qwen3-Next's `mtp.*`; read by models/export_mtp.py) instead of new ones, and
+`freeze_target` trains them alone against the frozen target (train/mtp.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ MTP_DIR = "mtp"  # the MTP modules sit in this subfolder of the saved target
 
 
 CHAIN_INPUTS = ("hidden", "normed")  # MTPConfig.chain_input
+INITS = ("new", "from_target")  # MTPConfig.init
+# Families whose RMSNorm scales by (1 + weight), weight stored around 0 (Qwen3NextRMSNorm): the
+# MTP norms follow, so a shipped checkpoint's norm weights load and export as they are stored.
+ZERO_CENTERED_NORMS = ("qwen3_next",)
 
 
 @dataclass
@@ -51,6 +59,13 @@ class MTPConfig:
     chain_input: str = option("hidden", "what depth k + 1 reads of depth k: hidden, the block's output "
                                         "(DeepSeek-V3, SGLang, vLLM DeepSeekMTP); normed, after shared_head.norm "
                                         "(speculators, vLLM Qwen3-Next MTP)")
+    init: str = option("new", "new: fresh modules; from_target: the modules the target's checkpoint ships "
+                              "(DeepSeek-V3 style model.layers.{N+k}, Qwen3-Next style mtp.*), K and chain_input "
+                              "taken from it")
+    freeze_target: bool = option(False, "train the MTP modules alone against the frozen target (no main loss; "
+                                        "depth k weighted depth_decay**(k-1)); false: jointly with the target")
+    # speculators' FastMTP weights its steps 0.6**(k-1), normalised (0.51, 0.31, 0.18 for three).
+    depth_decay: float = option(0.6, "freeze_target: depth k's loss weight depth_decay**(k-1), normalised to sum 1")
 
     @classmethod
     def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
@@ -61,29 +76,36 @@ class MTPConfig:
             raise DraftsmithError(f"method.lambda_switch: a fraction of the run, at most 1; got {params['lambda_switch']}")
         if params.get("chain_input", "hidden") not in CHAIN_INPUTS:
             raise DraftsmithError(f"method.chain_input: one of {', '.join(CHAIN_INPUTS)}, got {params['chain_input']!r}")
+        if params.get("init", "new") not in INITS:
+            raise DraftsmithError(f"method.init: one of {', '.join(INITS)}, got {params['init']!r}")
+        positive(params, ("depth_decay",), low=0)
 
 
 class RMSNorm(nn.Module):
-    """The Llama/Qwen/DeepSeek RMSNorm (computed in float32, as they do)."""
+    """The Llama/Qwen/DeepSeek RMSNorm (computed in float32, as they do); `zero_centered`:
+    Qwen3-Next's, scaling by (1 + weight) in float32 before the cast, weight starting at 0."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
         self.eps = eps
+        self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
 class SharedHead(nn.Module):
     """DeepSeek's `shared_head`: its own norm; the head itself is the target's."""
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, zero_centered)
 
 
 def rms_norm_eps(target_config) -> float:
@@ -100,11 +122,12 @@ class MTPLayer(nn.Module):
     def __init__(self, target_config, layer_class: type, layer_idx: int):
         super().__init__()
         hidden, eps = target_config.hidden_size, rms_norm_eps(target_config)
-        self.enorm = RMSNorm(hidden, eps)
-        self.hnorm = RMSNorm(hidden, eps)
+        centered = getattr(target_config, "model_type", None) in ZERO_CENTERED_NORMS
+        self.enorm = RMSNorm(hidden, eps, centered)
+        self.hnorm = RMSNorm(hidden, eps, centered)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.block = layer_class(target_config, layer_idx=layer_idx)
-        self.shared_head = SharedHead(hidden, eps)
+        self.shared_head = SharedHead(hidden, eps, centered)
 
     def fuse(self, embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
