@@ -75,7 +75,7 @@ def _eval(args) -> None:
         num_draft=None if num_draft == -1 else num_draft,  # the flag's -1 is the recipe's null: the tile rule
         latency_table=args.latency_table or "", calibration_prompts=args.calibration_prompts,
         tile=pick(args.tile, target.tile),
-        prompt_chars=args.prompt_chars,
+        prompt_chars=args.prompt_chars, min_prompt_tokens=args.min_prompt_tokens,
         drafters=args.drafter,
         cache=args.cache, compile=args.compile,
         proposer_options=_proposer_options(args),
@@ -304,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-prompts", type=int, default=4,
                    help="--num-draft auto: prompts, disjoint from the evaluated ones, that calibrate each drafter")
     p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
+    p.add_argument("--min-prompt-tokens", type=int, default=0,
+                   help="long-context eval: only prompts (a conversation's first turn) of at least this many tokens, "
+                        "drawn from 8x --num-prompts candidates (0: all)")
     p.add_argument("--tile", type=int, default=None, help="rows of the verify kernel's tile; sizes the tile rule's D "
                    + _recipe_default("target.tile"))
     p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",

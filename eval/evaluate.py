@@ -56,6 +56,7 @@ class EvalSettings:
     calibration_prompts: int = CALIBRATION_PROMPTS  # --num-draft auto: prompts that calibrate each drafter
     tile: int = 128
     prompt_chars: int = 400  # embedded prompts: characters of held-out source per prompt
+    min_prompt_tokens: int = 0  # only prompts (a conversation's first turn) at least this long: long-context eval
     drafters: list[str] = field(default_factory=list)
     cache: str = "dynamic"  # the target's KV cache: "dynamic" or "static"
     compile: bool = False  # the verify forward under torch.compile (CUDA graphs on CUDA); static cache only
@@ -71,11 +72,30 @@ def prompt_ids(tokenizer, settings: EvalSettings, context: int, count: int | Non
     (`count` of them, default settings.num_prompts, from the corpus's `split`)."""
     from draftsmith.data.corpus import corpus_prompts
 
-    texts = corpus_prompts(count or settings.num_prompts, max_chars=settings.prompt_chars, split=split)
-    ids = [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+    count = count or settings.num_prompts
+    texts = corpus_prompts(count * pool_factor(settings), max_chars=settings.prompt_chars, split=split)
+    ids = long_enough([tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts], count, settings,
+                      f"held-out excerpts of {settings.prompt_chars} characters (--prompt-chars)")
     for i, row in enumerate(ids):
         _check_context(row, settings, context, f"{which} {i}")
     return [torch.tensor(row, dtype=torch.long) for row in ids]
+
+
+# With --min-prompt-tokens, prompts are drawn from this many times as many candidates.
+LONG_PROMPT_POOL = 8
+
+
+def pool_factor(settings: EvalSettings) -> int:
+    return LONG_PROMPT_POOL if settings.min_prompt_tokens else 1
+
+
+def long_enough(rows: list, count: int, settings: EvalSettings, what: str, length=len) -> list:
+    """The first `count` of `rows` whose `length` is at least --min-prompt-tokens; too few is one line."""
+    kept = [row for row in rows if length(row) >= settings.min_prompt_tokens][:count]
+    if len(kept) < count:
+        raise DraftsmithError(f"--min-prompt-tokens {settings.min_prompt_tokens}: {len(kept)} of {len(rows)} {what} "
+                              f"are that long, fewer than the {count} asked for")
+    return kept
 
 
 def _check_context(row: list[int], settings: EvalSettings, context: int, which: str) -> None:
@@ -187,6 +207,8 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     if settings.max_new_tokens < 1 or settings.num_prompts < 1:
         raise DraftsmithError(f"eval: --max-new-tokens ({settings.max_new_tokens}) and --num-prompts "
                               f"({settings.num_prompts}) must be at least 1")
+    if settings.min_prompt_tokens < 0:
+        raise DraftsmithError(f"eval: --min-prompt-tokens must be 0 (off) or a length, got {settings.min_prompt_tokens}")
     auto = settings.num_draft == AUTO
     if auto and settings.calibration_prompts < 1:
         raise DraftsmithError(f"eval: --calibration-prompts must be at least 1, got {settings.calibration_prompts}")
@@ -255,14 +277,17 @@ def _source(target, tokenizer, settings: EvalSettings, context: int):
     template, ended by the template's end of turn as well (a served chat model stops there)."""
     from draftsmith.data.chat import chat_format
     from draftsmith.data.regen_server import stop_token_ids
-    from draftsmith.eval.prompts import eval_conversations
+    from draftsmith.eval.prompts import eval_conversations, render_turn
 
     if settings.dataset == "embedded":
         chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=True)  # refuses a switch
         return prompt_ids(tokenizer, settings, context), None
     plain = not (settings.chat_template or tokenizer.chat_template)
     template, kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=plain)
-    turns = eval_conversations(settings.dataset, settings.num_prompts)
+    turns = eval_conversations(settings.dataset, settings.num_prompts * pool_factor(settings))
+    if settings.min_prompt_tokens:  # judged by the first turn's prompt, rendered as it is decoded
+        first = lambda conversation: len(render_turn(tokenizer, conversation[0], template, kwargs))  # noqa: E731
+        turns = long_enough(turns, settings.num_prompts, settings, f"conversations of {settings.dataset}", first)
     stops = stop_token_ids(target.generation_config, tokenizer, template, plain, kwargs)
     return Conversations(turns, tokenizer, template, kwargs, context), tuple(stops)
 
@@ -349,7 +374,8 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
     results = {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
-                     "seed": settings.seed, "cache": settings.cache, "compile": settings.compile, **chat},
+                     "seed": settings.seed, "cache": settings.cache, "compile": settings.compile,
+                     "min_prompt_tokens": settings.min_prompt_tokens, **chat},
         "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target,
                      "distinct_4gram": distinct_4gram_ratio(base_out), "looping_prompts": sum(looping)},
         "drafters": rows,

@@ -61,6 +61,7 @@ _GAMMA_BY_DRAFTS = ((7, 4.0), (9, 5.0), (15, 7.0))
 
 
 POSITION_WEIGHTS = ("decay", "dpace")  # DFlashConfig.position_weights (`draft_weights`)
+LAYER_TYPES = ("full_attention", "sliding_attention")  # DFlashConfig.layer_types, transformers' names
 
 
 def default_gamma(num_drafts: int) -> float:
@@ -176,6 +177,10 @@ class DFlashConfig:
     dpace_alpha: float = option(0.5, "D-PACE's confidence smoothing: (1 - alpha) * exp(-ce_j) + alpha, in (0, 1]")
     num_anchors: int = option(512, "blocks per sequence in one training pass")
     attention_backend: str = option("sdpa", "training attention: sdpa, flex, auto (models/attention.py)")
+    sliding_window: int = option(0, "sliding_attention layers: a block sees the context keys at most this many "
+                                    "positions before its anchor (speculators'; 0: every layer full attention)")
+    layer_types: list[str] = option([], "per drafter layer, full_attention or sliding_attention (empty: all "
+                                        "sliding when sliding_window is set, as speculators drafts)")
 
     # Draft j is read from slot j - 1 + first_prediction_slot (module docstring).
     @property
@@ -285,6 +290,7 @@ class DFlashConfig:
             raise DraftsmithError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.gamma is None:
             self.gamma = default_gamma(self.drafts_per_block)
+        self.layer_types = resolve_layer_types(self.layer_types, self.sliding_window, self.num_layers)
         return self
 
     def check_tile(self, target_config, tile: int = 128) -> None:
@@ -310,6 +316,30 @@ class DFlashConfig:
             max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": float(self.rope_theta)},
         )
+
+
+def resolve_layer_types(layer_types: list[str], window: int, num_layers: int) -> list[str]:
+    """Every layer's attention (`layer_types` given, or all sliding with a window, all full
+    without); anything inconsistent is one line naming the key."""
+    if window < 0:
+        raise DraftsmithError(f"sliding_window must be 0 (off) or a number of positions, got {window}")
+    kind = "sliding_attention" if window else "full_attention"
+    types = list(layer_types) or [kind] * num_layers
+    if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise DraftsmithError(f"layer_types {types}: one of {', '.join(LAYER_TYPES)} per drafter layer "
+                              f"({num_layers})")
+    if "sliding_attention" in types and not window:
+        raise DraftsmithError("layer_types names sliding_attention layers: set sliding_window")
+    return types
+
+
+def window_visibility(anchor_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Bool [B, 1, Q, K]: context key k within `window` positions before the anchor of query
+    q's block (k >= anchor - window), every row of a block alike, as speculators' DFlash trains
+    sliding layers (models/dflash/attention.py `create_anchor_block_mask_mod`). vLLM's
+    sliding attention measures from each row instead, hiding up to block_size - 1 more keys
+    at the window's far end: a departure of the engine's at its edge, not ours."""
+    return (key_positions[:, None, :] >= anchor_positions[:, :, None] - window)[:, None]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -420,13 +450,27 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds, block_positions, context_kv, visible=None) -> torch.Tensor:
-        """Final-normed hidden states [B, Q, H] of block rows at positions [B, Q]."""
+        """Final-normed hidden states [B, Q, H] of block rows at positions [B, Q]; `visible`
+        one mask for every layer, or a dict of one per layer type (`layer_masks`)."""
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(x, block_positions)
         recompute = self.gradient_checkpointing and self.training
-        for layer, (k, v) in zip(self.layers, context_kv):
-            x = checkpointed(recompute, layer, x, k, v, cos, sin, visible)
+        masks = visible if isinstance(visible, dict) else dict.fromkeys(LAYER_TYPES, visible)
+        for layer, kind, (k, v) in zip(self.layers, self.config.layer_types, context_kv):
+            x = checkpointed(recompute, layer, x, k, v, cos, sin, masks[kind])
         return self.norm(x)
+
+    def layer_masks(self, full, context_positions, block_positions) -> dict | object:
+        """`full` (the mask of full-attention layers), and for sliding-attention layers the same
+        with context keys further than sliding_window positions before their query hidden."""
+        if "sliding_attention" not in self.config.layer_types:
+            return full
+        size = self.config.block_size
+        anchors = block_positions[:, ::size].repeat_interleave(size, dim=1)  # each row's block anchor
+        near = window_visibility(anchors, context_positions, self.config.sliding_window)
+        own = torch.ones(*near.shape[:3], block_positions.shape[1], dtype=torch.bool, device=near.device)
+        near = torch.cat([near, own], dim=-1)  # the block's own keys: all within the window
+        return {"full_attention": full, "sliding_attention": near if full is None else full & near}
 
     def decode_hidden(self, anchor: torch.Tensor, cache: "ContextCache", embed: nn.Module) -> torch.Tensor:
         """One decode step: hidden [B, drafts, H] of the prediction slots for the block
@@ -435,7 +479,8 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((anchor.shape[0], size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
         ids[:, 0] = anchor
         positions = torch.arange(len(cache), len(cache) + size, device=anchor.device).expand_as(ids)
-        hidden = self(embed(ids), positions, cache.layers)
+        past = torch.arange(len(cache), device=anchor.device).expand(ids.shape[0], -1)
+        hidden = self(embed(ids), positions, cache.layers, self.layer_masks(None, past, positions))
         first = self.first_prediction_slot
         return hidden[:, first:first + self.drafts_per_block]
 
@@ -443,12 +488,22 @@ class DFlashDrafter(nn.Module):
         """All blocks of a batch in one pass: prediction-slot hidden [B, N, drafts, H]."""
         seq = target_hidden.shape[1]
         kv = self.context_kv(target_hidden, blocks.context_positions)
-        visible = training_mask(blocks.anchors, seq, self.config.block_size,
-                                use_flex(self.config.attention_backend, target_hidden.device), blocks.docs)
-        hidden = self(embed(blocks.input_ids.flatten(1)), blocks.positions.flatten(1), kv, visible)
+        flex = use_flex(self.config.attention_backend, target_hidden.device)
+        positions = blocks.positions.flatten(1)
+        if flex:  # one BlockMask per layer type
+            visible = {kind: training_mask(blocks.anchors, seq, self.config.block_size, True, blocks.docs,
+                                           self.window_of(kind), blocks.context_positions, positions)
+                       for kind in set(self.config.layer_types)}
+        else:
+            full = training_mask(blocks.anchors, seq, self.config.block_size, False, blocks.docs)
+            visible = self.layer_masks(full, blocks.context_positions, positions)
+        hidden = self(embed(blocks.input_ids.flatten(1)), positions, kv, visible)
         first = self.first_prediction_slot
         hidden = hidden.view(*blocks.anchors.shape, self.config.block_size, -1)
         return hidden[:, :, first:first + self.drafts_per_block]
+
+    def window_of(self, kind: str) -> int:
+        return self.config.sliding_window if kind == "sliding_attention" else 0
 
     def sample_blocks(self, input_ids, loss_mask, generator=None, anchors=None, position_ids=None) -> "Blocks":
         """Blocks at `anchors`, or drawn from `generator`; `position_ids` of a packed batch
@@ -575,29 +630,35 @@ def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int,
     return torch.cat([context, own], dim=-1)[:, None]
 
 
-def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int,
-                   docs: torch.Tensor | None = None) -> Callable:
-    """`block_visibility`'s predicate as a flex-attention mask_mod (query q, key k)."""
+def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int, docs: torch.Tensor | None = None,
+                   window: int = 0, context_positions: torch.Tensor | None = None,
+                   block_positions: torch.Tensor | None = None) -> Callable:
+    """`block_visibility`'s predicate as a flex-attention mask_mod (query q, key k), and with
+    `window` that of a sliding-window layer (`DFlashDrafter.layer_masks`)."""
     anchor_docs = None if docs is None else torch.gather(docs, 1, anchors.clamp_min(0))
 
     def mask_mod(b, h, q, k):
         block = q // block_size
         context = k < anchors[b, block]
-        if docs is not None:  # block keys index past the context: clamped, and not read there
-            context = context & (docs[b, k.clamp(max=context_len - 1)] == anchor_docs[b, block])
+        inside = k.clamp(max=context_len - 1)  # block keys index past the context: clamped, and not read there
+        if docs is not None:
+            context = context & (docs[b, inside] == anchor_docs[b, block])
+        if window:  # `window_visibility`'s rule
+            context = context & (context_positions[b, inside] >= block_positions[b, block * block_size] - window)
         return torch.where(k < context_len, context, (k - context_len) // block_size == block)
 
     return mask_mod
 
 
 def training_mask(anchors: torch.Tensor, context_len: int, block_size: int, flex: bool = False,
-                  docs: torch.Tensor | None = None):
-    """The visibility of a training pass: the dense mask, or the flex BlockMask of the same rule."""
+                  docs: torch.Tensor | None = None, window: int = 0, context_positions=None, block_positions=None):
+    """The visibility of a training pass: the dense mask (of full-attention layers: the window
+    is `layer_masks`'), or the flex BlockMask of the same rule (with `window`, a sliding layer's)."""
     if not flex:
         return block_visibility(anchors, context_len, block_size, docs)
     queries = anchors.shape[1] * block_size
-    return block_mask(block_mask_mod(anchors, context_len, block_size, docs), anchors.shape[0], queries,
-                      context_len + queries, anchors.device)
+    mask_mod = block_mask_mod(anchors, context_len, block_size, docs, window, context_positions, block_positions)
+    return block_mask(mask_mod, anchors.shape[0], queries, context_len + queries, anchors.device)
 
 
 def position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:

@@ -99,6 +99,8 @@ class Eagle3Config:
     kl_scale: float = option(1.0, "lk_lambda: the cross-entropy's weight is kl_scale * exp(-kl_decay * acceptance), "
                                   "the rest on 1 - acceptance; in [0, 1]")
     kl_decay: float = option(1.0, "lk_lambda: how fast the cross-entropy's weight falls as acceptance rises; >= 0")
+    sliding_window: int = option(0, "the draft layer attends to context keys less than this many positions before "
+                                    "the last committed one (speculators' sliding EAGLE-3); 0: full attention")
 
     SIZES = ("hidden_size", "target_hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
              "vocab_size", "draft_vocab_size", "max_position_embeddings", "ttt_length")
@@ -187,6 +189,9 @@ class Eagle3Config:
                 f"EAGLE-3 ttt_length must be >= 1 and ttt_decay in (0, 1], got {self.ttt_length} and {self.ttt_decay}"
             )
         check_backend(self.attention_backend)
+        if self.sliding_window < 0:
+            raise DraftsmithError(f"EAGLE-3 sliding_window must be 0 (off) or a number of positions, got "
+                                  f"{self.sliding_window}")
         return self
 
     def llama_config(self) -> LlamaConfig:
@@ -278,12 +283,12 @@ def attend(q, k, v, visible, own_k=(), own_v=()) -> torch.Tensor:
     return out.transpose(1, 2).flatten(2)
 
 
-def ttt_mask_mod(length: int, real: torch.Tensor | None, docs: torch.Tensor | None = None):
+def ttt_mask_mod(length: int, real: torch.Tensor | None, docs: torch.Tensor | None = None, window: int = 0):
     """The visibility of TTT step i as a flex-attention mask_mod over the concatenated keys
     [step 0 (`length`); step 1; ...; step i]: `attend`'s rule. Step-0 key k is visible to
     query q when k <= q and k is a real token (`real` [B, length] bool, None: all) of the
-    query's conversation (`docs` [B, length] in a packed row, None: one) or k == q; a key of
-    a later step only at the query's own index."""
+    query's conversation (`docs` [B, length] in a packed row, None: one), within `window`
+    of q (q - window < k; 0: any), or k == q; a key of a later step only at the query's own index."""
 
     def mask_mod(b, h, q, k):
         pos = k % length
@@ -292,6 +297,8 @@ def ttt_mask_mod(length: int, real: torch.Tensor | None, docs: torch.Tensor | No
             context = context & (real[b, pos] | (pos == q))
         if docs is not None:
             context = context & (docs[b, pos] == docs[b, q])
+        if window:
+            context = context & (pos > q - window)
         return torch.where(k < length, context, pos == q)
 
     return mask_mod
@@ -393,19 +400,26 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocabulary logits of drafter outputs."""
         return self.lm_head(self.norm(hidden))
 
-    def step(self, input_ids, hidden, positions, cache: DraftKV, visible=None) -> torch.Tensor:
+    def step(self, input_ids, hidden, positions, cache: DraftKV, visible=None, committed: int | None = None):
         """A cached forward over Q new entries; returns their outputs [B, Q, H] (pre-norm).
 
         input_ids [B, Q]: each entry's token (x_{p+1} for position p); hidden [B, Q, H]:
         `fuse`d target features or the drafter's own earlier outputs; positions [B, Q];
         visible [Q, len(cache) + Q] bool, default causal. The new keys join `cache`.
+        `committed`: the cache rows of committed positions (row = position) when the new
+        entries are drafts; a sliding window then counts from the last of them, as training's
+        TTT steps do (`ttt_logits`); None: the entries are committed positions themselves.
         """
         cos, sin = self.rotary_emb(hidden, positions)
         q, k, v = self.midlayer.attention_inputs(self.embed_tokens(input_ids), hidden, cos, sin)
         keys, values = cache.append(k, v)
+        past, new = keys.shape[2] - q.shape[2], q.shape[2]
         if visible is None:
-            past, new = keys.shape[2] - q.shape[2], q.shape[2]
             visible = torch.ones(new, past + new, dtype=torch.bool, device=q.device).tril_(past)
+        if self.config.sliding_window:
+            rows = torch.arange(past + new, device=q.device)
+            last = positions[0] if committed is None else torch.full((new,), committed - 1, device=q.device)
+            visible = visible & ~(rows[None, :] <= last[:, None] - self.config.sliding_window)
         return self.midlayer.finish(hidden, attend(q, keys, values, visible[None, None]))
 
     # ---- training-time test ------------------------------------------------------------
@@ -423,11 +437,15 @@ class Eagle3Drafter(nn.Module):
             visible = visible & (attention_mask.bool()[:, None, :] | eye)
         if docs is not None:  # a packed row: each conversation sees only itself
             visible = visible & (docs[:, :, None] == docs[:, None, :])
+        window = self.config.sliding_window
+        if window:  # every TTT step of position t reads the keys of t - window + 1 .. t, as speculators trains
+            index = torch.arange(length, device=device)
+            visible = visible & (index[None, :] > index[:, None] - window)
         visible = visible.expand(batch, length, length)[:, None]
         flex = use_flex(self.config.attention_backend, device)
         if flex:  # one BlockMask per step: step i reads (i + 1) * length keys
             real = None if attention_mask is None else attention_mask.bool()
-            mask_mod = ttt_mask_mod(length, real, docs)
+            mask_mod = ttt_mask_mod(length, real, docs, window)
             visible = [block_mask(mask_mod, batch, length, (i + 1) * length, device)
                        for i in range(self.config.ttt_length)]
         recompute = self.gradient_checkpointing and self.training

@@ -209,13 +209,22 @@ def _backbone_config(drafter: DFlashDrafter, arch: str, dtype: torch.dtype | Non
     return {
         "architectures": [arch], **qwen3, "model_type": "qwen3",
         "dtype": name, "torch_dtype": name,  # transformers 5's name, and the one the engines' --dtype auto reads
-        "layer_types": ["full_attention"] * c.num_layers,
+        "layer_types": list(c.layer_types),
         "target_hidden_size": c.target_hidden_size,
         "block_size": c.block_size,
         "num_target_layers": c.num_target_layers,
         "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
-                          "block_size": c.block_size},
+                          "block_size": c.block_size, **_window_keys(c)},
+        **({"sliding_window": c.sliding_window, "use_sliding_window": True} if c.sliding_window else {}),
     }
+
+
+def _window_keys(c: DFlashConfig) -> dict:
+    """dflash_config's sliding-window keys as vLLM's DFlash reads them (qwen3_dflash.py
+    `_resolve_layer_attention`, @ 036a00d1f5d0): the window (`swa_window_size`) and `causal:
+    false`, since vLLM otherwise makes every sliding layer causal inside the block, where ours
+    (and the layer_types' full layers) see the whole block."""
+    return {"swa_window_size": c.sliding_window, "causal": False} if c.sliding_window else {}
 
 
 def _write(out_dir, config: dict, state: dict, modeling: bool = False, extras: dict | None = None) -> Path:
@@ -333,4 +342,19 @@ def _backbone_fields(meta: dict, path) -> dict:
         target_layer_ids=_key(meta, "target_layer_ids", path, None) or reference_layer_ids(
             _key(meta, "num_target_layers", path), _key(meta, "num_hidden_layers", path)),
         mask_token_id=_key(meta, "mask_token_id", path),
+        **_window_fields(meta, path),
     )
+
+
+def _window_fields(meta: dict, path) -> dict:
+    """Sliding-window layers as the engines read them: layer_types, the window from
+    dflash_config.swa_window_size or the top-level sliding_window; a layout whose sliding
+    layers are causal inside the block (vLLM's default for them) is not what we draft."""
+    types = meta.get("layer_types")
+    window = _key(meta, "swa_window_size", path, None) or meta.get("sliding_window") or 0
+    if not types or "sliding_attention" not in types:
+        return {}
+    if (meta.get("dflash_config") or {}).get("causal", True) or meta.get("is_causal"):
+        raise DraftsmithError(f"{path}/config.json: sliding-window layers causal inside the block (set "
+                              "dflash_config.causal false for block-bidirectional ones): not a drafter draftsmith runs")
+    return {"layer_types": list(types), "sliding_window": int(window)}

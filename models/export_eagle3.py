@@ -92,7 +92,23 @@ def export_config(config: Eagle3Config, engine: str, dtype: torch.dtype = torch.
     }
     if config.target_hidden_size != config.hidden_size:
         out["target_hidden_size"] = config.target_hidden_size
-    return out
+    return {**out, **window_keys(config.sliding_window)}
+
+
+def window_keys(window: int) -> dict:
+    """A sliding-window draft layer as transformers' and vLLM's Llama layer read it (vLLM's
+    LlamaAttention: `layer_types[i]` of the draft layers, then `sliding_window`)."""
+    return {"layer_types": ["sliding_attention"], "sliding_window": window} if window else {}
+
+
+def window_of(layer: dict, source: str) -> int:
+    """The window `window_keys` writes (0: full attention)."""
+    types = layer.get("layer_types") or ["full_attention"]
+    if types != ["sliding_attention"]:
+        return 0
+    if not layer.get("sliding_window"):
+        raise DraftsmithError(f"{source}: a sliding_attention draft layer without sliding_window")
+    return int(layer["sliding_window"])
 
 
 def _config_and_weights(run_or_drafter) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
@@ -192,6 +208,7 @@ def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             ttt_length=ours.get("ttt_length", 7),
             ttt_decay=ours.get("ttt_decay", 0.8),
+            sliding_window=window_of(cfg, source),
         )
     except KeyError as missing:
         raise DraftsmithError(f"{source}: missing key {missing}") from None

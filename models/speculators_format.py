@@ -56,6 +56,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.models.export_eagle3 import window_keys, window_of
 from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
 
 LAYOUT = "speculators"
@@ -76,7 +77,7 @@ def export_eagle3(folder: str | Path, out_dir: str | Path, dtype: str | None = N
     target = _target_dir(folder)
     state = load_native_weights(folder)
     out_dtype = _dtype(folder, dtype, state["fc.weight"].dtype)
-    layer = {**c.llama_config().to_diff_dict(), "model_type": "llama"}
+    layer = {**c.llama_config().to_diff_dict(), "model_type": "llama", **window_keys(c.sliding_window)}
     config = {
         **_header("eagle3", ["Eagle3Speculator"], chain_drafts(target), target, out_dtype),
         "transformer_layer_config": _plain(layer),
@@ -118,14 +119,16 @@ def _export_block(folder, out_dir, dtype: str | None, method: str) -> Path:
     target = _target_dir(folder)
     out_dtype = _dtype(folder, dtype, drafter.fc.weight.dtype)
     anchor_first = getattr(c, "block_convention", None) == ANCHOR_IS_FIRST_PREDICTION
-    layer = {**c.qwen3_config().to_diff_dict(), "model_type": "qwen3", "layer_types": ["full_attention"] * c.num_layers}
+    layer = {**c.qwen3_config().to_diff_dict(), "model_type": "qwen3", "layer_types": list(c.layer_types),
+             **({"sliding_window": c.sliding_window, "use_sliding_window": True} if c.sliding_window else {})}
     config = {
         **_header(method, ["DSparkSpeculator" if method == "dspark" else "DFlashSpeculator"], c.drafts_per_block,
                   target, out_dtype),
         "transformer_layer_config": _plain(layer),
         "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
-        "mask_token_id": c.mask_token_id, "sliding_window_non_causal": False,
+        # Our sliding layers see their whole block (speculators' non-causal sliding windows).
+        "mask_token_id": c.mask_token_id, "sliding_window_non_causal": bool(c.sliding_window),
         "sample_from_anchor": anchor_first,
         "draftsmith": {"target_layer_ids": list(c.target_layer_ids), "num_anchors": c.num_anchors},
     }
@@ -363,6 +366,7 @@ def _read_eagle3(meta, layer, weights, target, source):
         rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
         max_position_embeddings=layer.get("max_position_embeddings", 4096),
         ttt_length=ours.get("ttt_length", 7), ttt_decay=ours.get("ttt_decay", 0.8),
+        sliding_window=window_of(layer, source),
     )
     state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()
              if k not in ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")}
@@ -380,8 +384,10 @@ def _read_block(meta, layer, weights, method, target, source):
     if meta.get("draft_vocab_size", vocab) != vocab:
         raise DraftsmithError(f"{source}: draft_vocab_size {meta['draft_vocab_size']} below the vocabulary {vocab}; "
                               "draftsmith's DFlash and DSpark draft over the target's whole vocabulary")
-    if any(kind != "full_attention" for kind in layer.get("layer_types") or []):
-        raise DraftsmithError(f"{source}: sliding-window draft layers ({layer['layer_types']}) are not implemented here")
+    types = layer.get("layer_types") or ["full_attention"] * layer["num_hidden_layers"]
+    if "sliding_attention" in types and not meta.get("sliding_window_non_causal"):
+        raise DraftsmithError(f"{source}: sliding-window draft layers causal inside the block "
+                              "(sliding_window_non_causal false); draftsmith's see their whole block")
     if meta.get("target_hidden_size") not in (None, layer["hidden_size"]):
         raise DraftsmithError(f"{source}: target_hidden_size {meta['target_hidden_size']} differs from the drafter's "
                               f"{layer['hidden_size']}, which speculators' own fc cannot have")
@@ -400,6 +406,7 @@ def _read_block(meta, layer, weights, method, target, source):
         block_size=int(meta["block_size"]), allow_large_block=True,
         target_layer_ids=_capture_ids(meta, "aux_hidden_state_layer_ids", target, source),
         mask_token_id=meta["mask_token_id"], num_anchors=ours.get("num_anchors", DFlashConfig.num_anchors),
+        layer_types=types, sliding_window=int(layer.get("sliding_window") or 0) if "sliding_attention" in types else 0,
     )
     if "sample_from_anchor" not in meta:
         raise DraftsmithError(f"{source}: no sample_from_anchor; the block convention must be stated (speculators' "

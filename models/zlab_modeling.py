@@ -12,7 +12,9 @@ the package (tests/test_exports.py) against `models/dflash.py`, whose math it re
 
     ctx    = hidden_norm(fc(target_hidden))                 # [B, T, n*H_t] -> [B, T, H]
     layer: q from the block rows; keys/values = [proj(ctx); proj(block rows)], per-head
-           q_norm/k_norm, RoPE, no mask (the block is bidirectional, the context visible)
+           q_norm/k_norm, RoPE, no mask (the block is bidirectional, the context visible);
+           a `sliding_attention` layer (config.layer_types) sees only the context
+           keys at most `sliding_window` positions before the block's anchor
     output = norm(last layer's block rows)
 
 `forward(position_ids, noise_embedding, target_hidden)` follows the reference's calling
@@ -45,8 +47,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class BlockAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, window: int = 0):
         super().__init__()
+        self.window = window
         heads, kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.groups = heads // kv
@@ -57,7 +60,16 @@ class BlockAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin):
+    def near(self, positions, rows: int):
+        """A sliding layer's mask [B, 1, Q, T + Q]: context keys within the window before the
+        block's anchor (its first row), the block's own keys all; None for a full-attention layer."""
+        if not self.window:
+            return None
+        context, anchor = positions[:, :-rows], positions[:, -rows]
+        seen = (context >= anchor[:, None] - self.window)[:, None, :].expand(-1, rows, -1)
+        return torch.cat([seen, seen.new_ones(*seen.shape[:2], rows)], dim=-1)[:, None]
+
+    def forward(self, x, ctx, cos, sin, positions):
         batch, rows = x.shape[:2]
         both = torch.cat([ctx, x], dim=1)
         split = lambda t: t.view(batch, t.shape[1], -1, self.head_dim)  # noqa: E731
@@ -65,20 +77,20 @@ class BlockAttention(nn.Module):
         k = _rope(self.k_norm(split(self.k_proj(both))).transpose(1, 2), cos, sin)
         v = split(self.v_proj(both)).transpose(1, 2)
         k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.near(positions, rows), scale=self.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
 
 
 class BlockLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, window: int = 0):
         super().__init__()
-        self.self_attn = BlockAttention(config)
+        self.self_attn = BlockAttention(config, window)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin)
+    def forward(self, x, ctx, cos, sin, positions):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, cos, sin, positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,7 +105,9 @@ class DFlashDraftModel(PreTrainedModel):
         self.mask_token_id = settings.get("mask_token_id")
         self.block_size = config.block_size
         target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
-        self.layers = nn.ModuleList(BlockLayer(config) for _ in range(config.num_hidden_layers))
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        window = getattr(config, "sliding_window", None) or 0
+        self.layers = nn.ModuleList(BlockLayer(config, window if kind == "sliding_attention" else 0) for kind in types)
         self.fc = nn.Linear(len(self.target_layer_ids) * target_hidden, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -106,7 +120,7 @@ class DFlashDraftModel(PreTrainedModel):
         ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
         cos, sin = self.rotary_emb(x, position_ids)
         for layer in self.layers:
-            x = layer(x, ctx, cos, sin)
+            x = layer(x, ctx, cos, sin, position_ids)
         return self.norm(x)
 
 

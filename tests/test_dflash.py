@@ -198,10 +198,14 @@ def test_a_block_ignores_other_blocks_and_everything_after_its_anchor(target):
     assert not torch.allclose(moved[:, 0], base[:, 0])
 
 
-def test_training_blocks_equal_decoding_blocks(target):
+WINDOWED = dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("layers", [{}, WINDOWED], ids=["full", "sliding"])
+def test_training_blocks_equal_decoding_blocks(target, layers):
     # Same keys, positions and inputs: a training block of anchor a is the decode step
     # whose cache holds the context of positions 0 .. a - 1.
-    drafter = drafter_for(target)
+    drafter = drafter_for(target, **layers)
     embed = target.get_input_embeddings()
     ids = torch.randint(0, MASK, (1, 20), generator=torch.Generator().manual_seed(1))
     feats = features(target, ids, drafter.config.target_layer_ids)
@@ -213,6 +217,27 @@ def test_training_blocks_equal_decoding_blocks(target):
         cache.extend(drafter, feats[:, 2:a], 2)  # built in two commits, as the decoder does
         decode = drafter.decode_hidden(ids[:, a], cache, embed)
         torch.testing.assert_close(train[:, i], decode, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sliding_layer_reads_the_window_before_its_anchor_alone(target):
+    """method.sliding_window: the keys more than the window before a block's anchor change
+    nothing in an all-sliding drafter, and do in a full-attention one; flex reads the same."""
+    embed = target.get_input_embeddings()
+    ids = torch.randint(0, MASK, (1, 24), generator=torch.Generator().manual_seed(0))
+    feats = features(target, ids, [1, 3])
+    anchors = torch.tensor([[9, 17]])
+    far, near = feats.clone(), feats.clone()
+    far[:, 17 - 5 - 1] += 1.0  # one position before block 1's window of 5 (positions 12..16)
+    near[:, 17 - 5] += 1.0  # its first
+    for window, moved in ((5, False), (0, True)):
+        drafter = drafter_for(target, sliding_window=window)
+        blocks = make_blocks(ids, torch.ones_like(ids), anchors, drafter.config)
+        base, changed, inside = (drafter.training_hidden(f, blocks, embed) for f in (feats, far, near))
+        assert torch.equal(changed[:, 1], base[:, 1]) is not moved
+        assert not torch.equal(inside[:, 1], base[:, 1])
+        drafter.config.attention_backend = "flex"
+        with torch.no_grad():
+            torch.testing.assert_close(drafter.training_hidden(far, blocks, embed), changed, rtol=1e-5, atol=1e-5)
 
 
 def test_anchors_are_random_distinct_supervised_and_reproducible():

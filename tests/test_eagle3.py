@@ -173,15 +173,24 @@ def test_layer_matches_transformers_llama_attention():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_training_computes_what_chain_decoding_computes():
-    """TTT step i at index c == the (i+1)-th chain draft from context c, with the cache."""
+@pytest.mark.parametrize("window", [0, 4])
+def test_training_computes_what_chain_decoding_computes(window):
+    """TTT step i at index c == the (i+1)-th chain draft from context c, with the cache; with
+    a sliding window (method.sliding_window) too, counted from c in both, and flex reads the same."""
     torch.manual_seed(0)
     target = peaky_target("qwen3")
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=128).eval()
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=128, sliding_window=window).eval()
     ids = torch.randint(0, VOCAB, (2, 20))
     hidden, _ = features(target, drafter, ids)
     with torch.no_grad():
         steps = drafter.ttt_logits(hidden, ids)
+        drafter.config.attention_backend = "flex"
+        for dense, flex in zip(steps, drafter.ttt_logits(hidden, ids)):
+            torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+        if window:  # the window hides what full attention reads
+            assert not torch.allclose(steps[2], Eagle3Drafter.from_native(
+                dataclasses.replace(drafter.config, sliding_window=0), drafter.native_state(), target,
+                source="full").ttt_logits(hidden, ids)[2])
         fused = drafter.fuse(hidden)
         for b, c in ((0, 0), (1, 6), (0, 11)):
             cache = DraftKV()
@@ -189,7 +198,8 @@ def test_training_computes_what_chain_decoding_computes():
             out = out[:, -1:]
             for i in range(drafter.config.ttt_length):
                 if i:
-                    out = drafter.step(ids[b : b + 1, c + 1 + i : c + 2 + i], out, torch.tensor([[c + i]]), cache)
+                    out = drafter.step(ids[b : b + 1, c + 1 + i : c + 2 + i], out, torch.tensor([[c + i]]), cache,
+                                       committed=c + 1)
                 torch.testing.assert_close(drafter.logits(out)[0, 0], steps[i][b, c], rtol=1e-4, atol=1e-5)
 
 

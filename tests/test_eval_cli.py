@@ -80,6 +80,8 @@ def test_labels_name_two_checkpoints_of_one_method(runs, tmp_path):
     (lambda r: ["--drafter", "draft_lm"], "needs a path"),
     (lambda r: ["--drafter", f"draft_lm:{r / 'nowhere'}"], "not found"),
     (lambda r: ["--drafter", "ngram", "--max-new-tokens", "100000"], "exceeds the target's context"),
+    (lambda r: ["--drafter", "ngram", "--min-prompt-tokens", "100000"], "--min-prompt-tokens 100000: 0 of 16"),
+    (lambda r: ["--drafter", "ngram", "--min-prompt-tokens", "-1"], "--min-prompt-tokens"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, make_args, message):
     out = tmp_path / "report"
@@ -87,6 +89,20 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, capsys, make_a
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not out.exists()
+
+
+def test_a_long_context_eval_takes_only_prompts_of_the_length_asked(runs, tmp_path):
+    """--min-prompt-tokens: long prompts only (a sliding-window drafter's test), of the embedded
+    excerpts and of a conversation dataset's first turns alike, and the report says so."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"turns": [text]}) + "\n" for text in ("hi", "tell me " * 40, "ok " * 3)))
+    for dataset, count, longest in (("embedded", "2", "60"), (str(chats), "1", "30")):
+        out = tmp_path / f"r{count}"
+        assert main(eval_args(runs, out, "--drafter", "ngram", "--dataset", dataset, "--min-prompt-tokens", longest,
+                              "--num-prompts", count, "--prompt-chars", "400")) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["settings"]["min_prompt_tokens"] == int(longest)
+        assert all(len(p["prompt_ids"]) >= int(longest) for p in report["prompts"]) and report["prompts"]
 
 
 def test_bad_datasets_are_named(runs, tmp_path, capsys):

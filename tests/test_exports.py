@@ -52,9 +52,13 @@ def with_random_heads(drafter):
     return drafter.eval()
 
 
-def dflash(target, num_context_layers=2):
+def dflash(target, num_context_layers=2, **overrides):
     return DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6,
-                                                  num_context_layers=num_context_layers)).eval()
+                                                  num_context_layers=num_context_layers, **overrides)).eval()
+
+
+# A sliding layer then a full one; block rows at 7..12 over a context 0..6 see from 2..7 on.
+WINDOWED = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
 
 
 def dspark(target, **overrides):
@@ -63,8 +67,8 @@ def dspark(target, **overrides):
     return with_random_heads(DSparkDrafter(config))
 
 
-def eagle3(target):
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=96)
+def eagle3(target, **overrides):
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=96, **overrides)
     with torch.no_grad():  # a draft vocabulary that is not the identity
         ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:96].sort().values
         t2d = torch.zeros(VOCAB, dtype=torch.bool)
@@ -148,11 +152,13 @@ def test_zlab_and_specforge_exports_load_with_transformers_alone(target, tmp_pat
     ids = torch.tensor([[5] + [MASK] * 5])
     embeds = target.get_input_embeddings()(ids)
     positions = torch.arange(7 + 6)[None]
-    for drafter, export in ((dflash(target), "zlab"), (dspark(target, block_size=6), "specforge")):
+    for drafter, export in ((dflash(target), "zlab"), (dflash(target, **WINDOWED), "zlab"),
+                            (dspark(target, block_size=6), "specforge")):
         width = len(drafter.config.target_layer_ids) * 64  # every layer it reads
         feats = torch.randn(1, 7, width, generator=torch.Generator().manual_seed(0))
-        native = save_drafter(drafter, tmp_path / export)
-        out = export_run(native, export, tmp_path / f"{export}-out")
+        name = f"{export}-{drafter.config.sliding_window}"
+        native = save_drafter(drafter, tmp_path / name)
+        out = export_run(native, export, tmp_path / f"{name}-out")
         config = json.loads((out / "config.json").read_text())
         module, cls = config["auto_map"]["AutoModel"].split(".")
         assert (out / f"{module}.py").is_file() and cls == config["architectures"][0]
@@ -161,7 +167,8 @@ def test_zlab_and_specforge_exports_load_with_transformers_alone(target, tmp_pat
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
         with torch.no_grad():
             theirs = model.eval()(position_ids=positions, noise_embedding=embeds, target_hidden=feats)
-            ours = drafter(embeds, positions[:, 7:], drafter.context_kv(feats, positions[:, :7]))
+            ours = drafter(embeds, positions[:, 7:], drafter.context_kv(feats, positions[:, :7]),
+                           drafter.layer_masks(None, positions[:, :7], positions[:, 7:]))
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
         logits = target.get_output_embeddings()
         assert torch.equal(logits(theirs).argmax(-1), logits(ours).argmax(-1))

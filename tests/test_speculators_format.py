@@ -22,6 +22,7 @@ from draftsmith.models.native import save_drafter
 from test_exports import (  # noqa: F401 (fixtures)
     MASK,
     VOCAB,
+    WINDOWED,
     assert_same_drafts,
     dflash,
     dspark,
@@ -153,15 +154,17 @@ def same_backbone(model, drafter, target, size: int, anchor: int = 7):
     with torch.no_grad():
         hidden, logits, _, _, _ = model._backbone_forward(
             feats, ids, loss_mask, torch.randn(1, ids.shape[1], 64), torch.zeros_like(ids), max_anchors=1)
-        ours = drafter(embeds, torch.arange(anchor, anchor + size)[None],
-                       drafter.context_kv(feats[:, :anchor], torch.arange(anchor)[None]))
+        context, block = torch.arange(anchor)[None], torch.arange(anchor, anchor + size)[None]
+        ours = drafter(embeds, block, drafter.context_kv(feats[:, :anchor], context),
+                       drafter.layer_masks(None, context, block))
     torch.testing.assert_close(hidden, ours, rtol=1e-5, atol=1e-5)
     return hidden, logits, ours, ids
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark", "dspark_context"])
+@pytest.mark.parametrize("kind", ["dflash", "dflash_window", "dspark", "dspark_context"])
 def test_block_exports_run_in_speculators_as_ours(kind, target, target_dir, tmp_path):
-    drafter = {"dflash": lambda: dflash(target), "dspark": lambda: dspark(target, block_size=6),
+    drafter = {"dflash": lambda: dflash(target), "dflash_window": lambda: dflash(target, **WINDOWED),
+               "dspark": lambda: dspark(target, block_size=6),
                "dspark_context": lambda: dspark(target, block_convention=ANCHOR_IS_CONTEXT, block_size=6)}[kind]()
     _, out = exported(drafter, target_dir, tmp_path, kind)
     model = reference_model(out)
@@ -171,7 +174,7 @@ def test_block_exports_run_in_speculators_as_ours(kind, target, target_dir, tmp_
     with torch.no_grad():
         head = target.get_output_embeddings()
         torch.testing.assert_close(logits, head(ours), rtol=1e-5, atol=1e-5)  # the verifier's head, reloaded
-        if kind == "dflash":
+        if kind.startswith("dflash"):
             return
         # Their heads read the previous block token as their sample_from_anchor says; ours by convention.
         block_tokens = ids[:, anchor:anchor + size]
@@ -198,8 +201,9 @@ def same_eagle3_logits(model, drafter, length: int = 8) -> None:
         torch.testing.assert_close(captured[0], drafter.logits(hidden), rtol=1e-5, atol=1e-5)
 
 
-def test_eagle3_export_runs_in_speculators_as_ours(target, target_dir, tmp_path):
-    drafter = eagle3(target)
+@pytest.mark.parametrize("window", [0, 5], ids=["full", "sliding"])
+def test_eagle3_export_runs_in_speculators_as_ours(window, target, target_dir, tmp_path):
+    drafter = eagle3(target, sliding_window=window)
     _, out = exported(drafter, target_dir, tmp_path, "eagle3")
     model = reference_model(out)
     assert model.config.norm_before_residual is False and model.draft_vocab_size == 96

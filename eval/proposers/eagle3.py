@@ -124,7 +124,7 @@ class Eagle3Proposer:
             tokens.append(token)
             if k + 1 < max_nodes:  # the last draft is never fed back
                 position = torch.tensor([[self.context + k]], device=self.device)
-                hidden = self.drafter.step(token.view(1, 1), hidden, position, self.cache)
+                hidden = self.drafter.step(token.view(1, 1), hidden, position, self.cache, committed=self.context)
         return Draft(torch.stack(tokens), None, torch.stack(probs) if probs else None)
 
     def _on_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -209,7 +209,7 @@ class Eagle3Proposer:
             above[n] = above[parents[n]] + [rows + j]
             visible[j, above[n]] = True
         positions = torch.full((1, len(frontier)), self.context + level - 1, device=self.device)
-        out = self.drafter.step(ids, hidden, positions, self.cache, visible.to(self.device))
+        out = self.drafter.step(ids, hidden, positions, self.cache, visible.to(self.device), committed=self.context)
         for j, n in enumerate(frontier):
             outputs[n] = out[:, j : j + 1]
         return out
