@@ -17,16 +17,13 @@ import inspect
 import shutil
 from pathlib import Path
 
-import torch
-
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json
+from draftsmith.models.dtypes import DTYPES, target_dir_of
 from draftsmith.models.layouts import NATIVE, identify
-from draftsmith.models.native import read_native_meta
+from draftsmith.models.serve import serve_commands
 from draftsmith.models.target import find_model_dir
 from draftsmith.registry import METHODS, import_ref
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None,
@@ -51,8 +48,6 @@ def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: 
     """What `draftsmith export` prints after writing: a note where the layout keeps less than
     the run trained, then the exact commands that serve the folder (an EAGLE-3 chain's length
     from `latency_table` and the run's acceptance when both exist, models/latency.py)."""
-    from draftsmith.models.serve import serve_commands
-
     folder, method = _drafter_folder(run, fmt)
     if fmt == "native":
         return []  # draftsmith's own: `eval --drafter METHOD:DIR` reads it
@@ -102,45 +97,6 @@ def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, str]:
 
         check_engine_layout(folder, fmt)
     return folder, method
-
-
-def config_dtype(config: dict) -> torch.dtype | None:
-    """The dtype a Hugging Face config.json names (`dtype` from transformers 5, `torch_dtype` before)."""
-    name = config.get("dtype") or config.get("torch_dtype")
-    return DTYPES.get(str(name).removeprefix("torch.")) if name else None
-
-
-def target_dir_of(folder: str | Path) -> Path | None:
-    """The target folder a native drafter records (`target`), if it is still there."""
-    target = read_native_meta(folder).get("target")
-    if not target:
-        return None
-    path = Path(find_model_dir(target))
-    return path if (path / "config.json").is_file() else None
-
-
-def export_dtype(folder: str | Path, dtype: str | None, trained: torch.dtype) -> torch.dtype:
-    """`--dtype` if given, else the dtype of the target the drafter was trained for, else
-    the drafter's own (`trained`: no target recorded, or its config names none)."""
-    if dtype is not None:
-        return DTYPES[dtype]
-    target = target_dir_of(folder)
-    found = config_dtype(read_json(target / "config.json")) if target is not None else None
-    return found or trained
-
-
-def cast_floats(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Floating tensors in `dtype`, each its own contiguous CPU copy (a tied target's
-    embedding and head stay two tensors in the file); integer and bool buffers as they are."""
-    out = {}
-    for name, t in state.items():
-        t = t.detach().cpu()
-        out[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous().clone()
-    return out
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def export_native(folder: Path, out_dir: str | Path, dtype: str | None = None) -> Path:

@@ -79,6 +79,7 @@ from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models import zlab_modeling
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
 from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
+from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype, target_dir_of
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
 from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
@@ -110,7 +111,6 @@ def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | No
     temperatures training fitted on its held-out rows, and with `latency_table` the
     steps-per-second table (models/dspark_calibration.py)."""
     from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE, sps_table
-    from draftsmith.models.export import target_dir_of
     from draftsmith.models.target import load_target
 
     drafter = load_drafter(folder, "dspark")
@@ -133,7 +133,6 @@ def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | No
 
 
 def _dtype(folder, dtype: str | None, drafter) -> torch.dtype:
-    from draftsmith.models.export import export_dtype
 
     return export_dtype(folder, dtype, drafter.fc.weight.dtype)
 
@@ -230,7 +229,6 @@ def _window_keys(c: DFlashConfig) -> dict:
 def _write(out_dir, config: dict, state: dict, modeling: bool = False, extras: dict | None = None) -> Path:
     """`modeling`: our modeling file goes beside the weights, and `auto_map` points
     AutoModel at the config's architecture in it; `extras`: JSON files written beside them."""
-    from draftsmith.models.export import DTYPES, cast_floats
 
     out_dir = Path(out_dir)
     if modeling:

@@ -47,6 +47,7 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype
 from draftsmith.models.eagle3 import (
     METHOD,
     Eagle3Config,
@@ -125,7 +126,6 @@ def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Pat
     """Write a drafter, a native EAGLE-3 folder or a training run (its model/) for `engine`,
     atomically: the folder appears whole or not at all. Weights and `torch_dtype` are in
     `dtype`, by default the target's (a folder's recorded target; a module: its own dtype)."""
-    from draftsmith.models.export import DTYPES, cast_floats, export_dtype
 
     if engine not in ENGINES:
         raise DraftsmithError(f"EAGLE-3 export: unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")

@@ -58,6 +58,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, open_safetensors, read_json, write_json
+from draftsmith.models.dtypes import DTYPES, dtype_name
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect, identify
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
@@ -96,7 +97,6 @@ def sglang_note(num_depths: int) -> str | None:
 
 
 def _export(folder, out_dir, dtype: str | None, modules: int | None) -> Path:
-    from draftsmith.models.export import DTYPES, dtype_name
     from draftsmith.models.target import load_target
 
     folder = Path(folder)

@@ -28,7 +28,7 @@ import shlex
 from pathlib import Path
 
 from draftsmith.fsutil import read_json
-from draftsmith.models.export import config_dtype, dtype_name
+from draftsmith.models.dtypes import config_dtype, dtype_name
 from draftsmith.models.tile import plan_tile, read_target_config
 
 SGLANG = "python -m sglang.launch_server"

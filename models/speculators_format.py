@@ -56,6 +56,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.models.dtypes import DTYPES, cast_floats, config_dtype, dtype_name, export_dtype, target_dir_of
 from draftsmith.models.export_eagle3 import window_keys, window_of
 from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
 
@@ -163,7 +164,6 @@ def mtp_note(folder: str | Path) -> str:
 
 def export_mtp(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """An MTP run's module 1 as speculators' `MTPDraftModel`, its verifier the run's target."""
-    from draftsmith.models.export import DTYPES, config_dtype
     from draftsmith.models.mtp import mtp_dir
     from draftsmith.models.native import load_drafter
     from draftsmith.models.target import load_target
@@ -211,7 +211,6 @@ def check_mtp_type(target_config: dict, source: str) -> None:
 
 
 def _header(kind: str, architectures: list[str], drafts: int, target: Path, dtype: torch.dtype) -> dict:
-    from draftsmith.models.export import dtype_name
 
     name = dtype_name(dtype)
     return {
@@ -242,7 +241,6 @@ def is_hub_name(name: str) -> bool:
 
 
 def _target_dir(folder: Path) -> Path:
-    from draftsmith.models.export import target_dir_of
 
     target = target_dir_of(folder)
     if target is None:
@@ -252,7 +250,6 @@ def _target_dir(folder: Path) -> Path:
 
 
 def _dtype(folder, dtype: str | None, trained: torch.dtype) -> torch.dtype:
-    from draftsmith.models.export import export_dtype
 
     return export_dtype(folder, dtype, trained)
 
@@ -263,7 +260,6 @@ def _plain(layer: dict) -> dict:
 
 
 def _write(out_dir, config: dict, state: dict, dtype: torch.dtype) -> Path:
-    from draftsmith.models.export import cast_floats
 
     tensors = cast_floats(state, dtype)
     with atomic_dir(out_dir) as tmp:
