@@ -67,7 +67,7 @@ def serve_commands(method: str, out_dir: str | Path, target: str | Path | None,
         chain = f"--speculative-num-steps {d} --speculative-eagle-topk 1 --speculative-num-draft-tokens {d + 1}"
         if method == "eagle3":
             return [f"{SGLANG} {common} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
-                    f"{shlex.quote(out)} {chain}",
+                    f"{shlex.quote(out)} {chain}{_window(config)}",
                     _vllm(model, dtype, {"method": "eagle3", "model": out, "num_speculative_tokens": d})]
         lines = [_vllm(model, dtype, {"method": "mtp", "num_speculative_tokens": d})]
         if config.get("num_nextn_predict_layers") == 1:  # SGLang's NextN loads one module
@@ -79,13 +79,22 @@ def serve_commands(method: str, out_dir: str | Path, target: str | Path | None,
     block = int(block)
     draft = f"--speculative-draft-model-path {shlex.quote(out)}"
     if method == "dflash":
-        return [f"{SGLANG} {common} --speculative-algorithm DFLASH {draft} --speculative-num-draft-tokens {block}",
+        return [f"{SGLANG} {common} --speculative-algorithm DFLASH {draft} --speculative-num-draft-tokens {block}"
+                + _window(config),
                 _vllm(model, dtype, {"method": "dflash", "model": out, "num_speculative_tokens": block - 1})]
     if config.get("architectures") == ["Qwen3DSparkModel"]:  # the one DSpark layout the engines load
         return [f"{SGLANG} {common} --speculative-algorithm DSPARK {draft} --speculative-num-draft-tokens {block + 1}"
                 + _dspark_calibration(Path(out_dir)),
                 _vllm(model, dtype, {"method": "dspark", "model": out, "num_speculative_tokens": block})]
     return []
+
+
+def _window(config: dict) -> str:
+    """SGLang's flag for a sliding-window drafter (its DFLASH and Llama EAGLE-3 read the window
+    from the command line, not the config: --speculative-draft-window-size)."""
+    if "sliding_attention" not in (config.get("layer_types") or []):
+        return ""
+    return f" --speculative-draft-window-size {int(config['sliding_window'])}"
 
 
 def _dspark_calibration(folder: Path) -> str:

@@ -543,7 +543,9 @@ def test_export_prints_the_commands_that_serve_it(target, target_dir, tmp_path, 
     """The flags derive from the run: an EAGLE-3 chain of the references' 3 steps (under D = 128 // G - 1,
     63 at G = 2), DSpark's
     block B (5): SGLang verifies B + 1 tokens, vLLM drafts B; DFlash's block of 6 gives 5 drafts."""
-    cases = {"eagle3": (eagle3(target), "vllm"), "dflash": (dflash(target), "zlab"), "dspark": (dspark(target), "sglang")}
+    cases = {"eagle3": (eagle3(target), "vllm"), "dflash": (dflash(target), "zlab"), "dspark": (dspark(target), "sglang"),
+             "eagle3_window": (eagle3(target, sliding_window=64), "sglang"),
+             "dflash_window": (dflash(target, **WINDOWED), "zlab")}
     printed = {}
     for method, (drafter, fmt) in cases.items():
         native = save_drafter(drafter, tmp_path / method, extra={"target": str(target_dir)})
@@ -564,3 +566,10 @@ def test_export_prints_the_commands_that_serve_it(target, target_dir, tmp_path, 
     sglang, vllm = printed["dspark"]
     assert "--speculative-algorithm DSPARK" in sglang and "--speculative-num-draft-tokens 6" in sglang
     assert '"method": "dspark"' in vllm and '"num_speculative_tokens": 5' in vllm
+    # SGLang takes a drafter's window from its command line; vLLM from layer_types in the config.
+    assert all("--speculative-draft-window-size" not in line for m in cases if "window" not in m for line in printed[m])
+    assert printed["eagle3_window"][0].endswith("--speculative-draft-window-size 64")
+    assert printed["dflash_window"][0].endswith("--speculative-draft-window-size 6")
+    config = json.loads((tmp_path / "dflash_window-out" / "config.json").read_text())
+    assert config["layer_types"] == WINDOWED["layer_types"] and config["sliding_window"] == 6
+    assert config["dflash_config"]["swa_window_size"] == 6 and config["dflash_config"]["causal"] is False
