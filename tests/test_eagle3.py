@@ -58,29 +58,35 @@ def features(target, drafter, ids):
     return torch.cat([out.hidden[i] for i in drafter.config.target_layer_ids], dim=-1), out.logits
 
 
+def train_on_continuations(target, drafter, prompts: int, new: int, steps: int):
+    """`steps` AdamW steps of `drafter` on the target's own greedy continuations of random
+    prompts: (sequences, features, logits, loss mask, [(loss, metrics)] per step)."""
+    seqs = target.generate(torch.randint(0, VOCAB, (prompts, PROMPT)), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+    hidden, logits = features(target, drafter, seqs)
+    # The most frequent tokens of the data and of the target's argmaxes: all reachable.
+    drafter.set_draft_vocab(*build_draft_vocab([seqs, logits.argmax(-1)], None, VOCAB, 192))
+    mask = torch.ones_like(seqs)
+    mask[:, :PROMPT] = 0
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
+    history = []
+    for _ in range(steps):
+        loss, metrics = drafter.loss(hidden, seqs, logits, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append((loss.item(), metrics))
+    return seqs, hidden, logits, mask, history
+
+
 @pytest.fixture(scope="module", params=list(ARCHS))
 def trained(request):
     """A drafter trained 30 steps on the target's own greedy continuations of 4 prompts."""
     torch.manual_seed(0)
     target = peaky_target(request.param)
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=192)
-    prompts = torch.randint(0, VOCAB, (4, PROMPT))
-    seqs = target.generate(prompts, max_new_tokens=NEW + 16, min_new_tokens=NEW + 16, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    hidden, logits = features(target, drafter, seqs)
-    # The most frequent tokens of the data and of the target's argmaxes: all reachable.
-    drafter.set_draft_vocab(*build_draft_vocab([seqs, logits.argmax(-1)], None, VOCAB, 192))
-    mask = torch.ones_like(seqs)
-    mask[:, :PROMPT] = 0
     embed_before = drafter.embed_tokens.weight.clone()
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
-    history = []
-    for _ in range(30):
-        loss, metrics = drafter.loss(hidden, seqs, logits, mask)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        history.append((loss.item(), metrics))
+    seqs, _, _, _, history = train_on_continuations(target, drafter, 4, NEW + 16, 30)
     assert torch.equal(drafter.embed_tokens.weight, embed_before)  # frozen
     return request.param, target, drafter.eval(), seqs, history
 
@@ -251,20 +257,7 @@ def test_lk_losses_train(loss):
     torch.manual_seed(0)
     target = peaky_target("llama")
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=192, ttt_length=3, loss=loss)
-    seqs = target.generate(torch.randint(0, VOCAB, (2, PROMPT)), max_new_tokens=24, min_new_tokens=24,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-    hidden, logits = features(target, drafter, seqs)
-    drafter.set_draft_vocab(*build_draft_vocab([seqs, logits.argmax(-1)], None, VOCAB, 192))
-    mask = torch.ones_like(seqs)
-    mask[:, :PROMPT] = 0
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=2e-3)
-    history = []
-    for _ in range(12):
-        value, metrics = drafter.loss(hidden, seqs, logits, mask)
-        opt.zero_grad()
-        value.backward()
-        opt.step()
-        history.append((value.item(), metrics))
+    seqs, hidden, logits, mask, history = train_on_continuations(target, drafter, 2, 24, 12)
     (first_loss, first), (last_loss, last) = history[0], history[-1]
     assert last_loss < 0.9 * first_loss
     assert set(last) == {*(f"{m}_{j}" for m in ("loss", "acc", "accept") for j in (1, 2, 3)), "tau_est",
