@@ -1,20 +1,24 @@
 """The DFlash ablation on the demo target: one factor at a time from the tiny recipe, every
-row trained for the same wall-clock seconds, over seeds (issue 21, item 5).
+row trained for the same wall-clock seconds, over seeds (issue 21, item 5); with `--recipe
+eagle3`, EAGLE-3's TTT losses the same way (issue 31, item 1).
 
-Each row is recipes/tiny/dflash.yaml plus its overrides (ROWS); a row whose drafter and
-training resolve to base's is skipped. The training loop has no time limit, so the seconds
-are turned into steps: per row, once (seed 0), two short runs of CALIBRATION steps give its
-seconds per optimizer step net of start-up, and every seed then trains max(10, round(S / s))
-steps, warm-up and schedule as the recipe says. Every run shares one derived-data cache, and
-a 1-step run per seed builds that seed's regenerated answers first, outside any timing.
-Then one `draftsmith eval` per seed over every row, as scripts/demo.sh evaluates, and per
-row tau's median and range over seeds at the headline setting (t0.7), greedy tau on text
-that does not loop, and the speedup (scripts/bench_demo.py's summarize). Each training and
-eval subprocess runs holding the shared CPU lock, one at a time; it is timed inside the lock.
+Each row is the tiny recipe (--recipe: dflash, recipes/tiny/dflash.yaml, or eagle3) plus
+its overrides (ROWS[recipe]); a row whose drafter and training resolve to base's is skipped.
+The training loop has no time limit, so the seconds are turned into steps: per row, once
+(seed 0), two short runs of CALIBRATION steps give its seconds per optimizer step net of
+start-up, and every seed then trains max(10, round(S / s)) steps, warm-up and schedule as
+the recipe says. Every run shares one derived-data cache, and a 1-step run per seed builds
+that seed's regenerated answers first, outside any timing. Then one `draftsmith eval` per
+seed over every row, as scripts/demo.sh evaluates, and per row tau's median and range over
+seeds at the headline setting (t0.7), greedy tau on text that does not loop, the speedup
+(scripts/bench_demo.py's summarize), and each draft position's acceptance, median over
+seeds, at both settings. Each training and eval subprocess runs holding the shared CPU
+lock, one at a time; it is timed inside the lock.
 
     python scripts/bench_ablation.py --target runs/ablation/target            # every row, seeds 0 1 2
     python scripts/bench_ablation.py --target runs/ablation/target --rows base block8 --seeds 0 --seconds 10
     python scripts/bench_ablation.py --target runs/ablation/target --summarize-only
+    python scripts/bench_ablation.py --target runs/ablation/target --recipe eagle3   # into runs/bench_ablation_eagle3
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ import dataclasses
 import fcntl
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench_demo import load_reports, summarize
 
@@ -39,12 +45,13 @@ from draftsmith.recipe import load_recipe, read_yaml
 from draftsmith.registry import config_class
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "recipes" / "tiny" / "dflash.yaml"
+RECIPES = {name: ROOT / "recipes" / "tiny" / f"{name}.yaml" for name in ("dflash", "eagle3")}
 LOCK = "/tmp/draftsmith-cpu.lock"  # the shared one-job-at-a-time lock of this machine's CPUs
 
-# Row name -> overrides of RECIPE: one factor at a time from base. Gammas are DFlash's for
-# each block (models/dflash.py default_gamma by drafts), given so a base gamma cannot leak in.
-ROWS: dict[str, tuple[str, ...]] = {
+# Recipe -> row name -> overrides of RECIPES[recipe]: one factor at a time from base. Gammas
+# are DFlash's for each block (models/dflash.py default_gamma by drafts), given so a base
+# gamma cannot leak in.
+DFLASH_ROWS: dict[str, tuple[str, ...]] = {
     "base": (),
     "block16": ("method.block_size=16", "method.gamma=7"),
     "block8": ("method.block_size=8", "method.gamma=4"),
@@ -65,6 +72,13 @@ ROWS: dict[str, tuple[str, ...]] = {
     # DeepSpec's DFlash convention (the anchor slot predicts draft 1) beside z-lab's (base).
     "deepspec": ("method.name=dspark", "method.markov_rank=0", "method.tv_weight=0", "method.bce_weight=0",
                  "method.ce_weight=1"),
+    # D-PACE's acceptance-shaped weights (speculators) beside base's exp(-(k - 1)/gamma) decay.
+    "dpace": ("method.position_weights=dpace",),
+}
+ROWS: dict[str, dict[str, tuple[str, ...]]] = {
+    "dflash": DFLASH_ROWS,
+    # SpecForge 0.2.0's LK losses on the expected acceptance beside base's soft cross-entropy.
+    "eagle3": {"base": (), "lk_lambda": ("method.loss=lk_lambda",), "lk_alpha": ("method.loss=lk_alpha",)},
 }
 # Steps of the two timing runs: their difference is net of start-up and of the first steps'
 # one-off costs; 30 steps apart, since a step's time varies with the machine's other load
@@ -78,38 +92,42 @@ EVAL_FLAGS = ["--num-prompts", "16", "--max-new-tokens", "64", "--prompt-chars",
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-def row_recipe(name: str, target: str, extra: tuple[str, ...] = ()):
-    return load_recipe(RECIPE, [f"target.path={target}", *ROWS[name], *extra])
+def row_recipe(kind: str, name: str, target: str, extra: tuple[str, ...] = ()):
+    return load_recipe(RECIPES[kind], [f"target.path={target}", *ROWS[kind][name], *extra])
 
 
 def resolve(recipe, target_config: dict):
     """The drafter config training would build (train/dflash.py build_drafter); the mask id
-    is the same for every row, so any valid one resolves the shape."""
+    is the same for every row, so any valid one resolves the shape. EAGLE-3's has neither a
+    mask id nor a tile (train/eagle3.py), and reads the target's config as attributes."""
+    if recipe.method.name == "eagle3":
+        return config_class("eagle3").from_target(SimpleNamespace(**target_config), **recipe.method.params)
     params = {"mask_token_id": 0, **recipe.method.params}
     return config_class(recipe.method.name).from_target(target_config, tile=recipe.target.tile, **params)
 
 
-def plan_rows(names: list[str], target: str, target_config: dict) -> tuple[dict[str, tuple[str, ...]], dict]:
+def plan_rows(kind: str, names: list[str], target: str,
+              target_config: dict) -> tuple[dict[str, tuple[str, ...]], dict]:
     """(row -> its overrides to train, skipped row -> why). A row that switches the method
     keeps base's drafts per block (DSpark's block is one shorter for as many drafts). A row
     whose resolved drafter, method and training equal base's is skipped."""
-    base_recipe = row_recipe("base", target)
+    base_recipe = row_recipe(kind, "base", target)
     base = resolve(base_recipe, target_config)
     planned, skipped = {}, {}
     for name in names:
         extra: tuple[str, ...] = ()
-        recipe = row_recipe(name, target)
+        recipe = row_recipe(kind, name, target)
         config = resolve(recipe, target_config)
-        switches = any(o.startswith("method.name=") for o in ROWS[name])
-        if switches and not any(o.startswith("method.block_size=") for o in ROWS[name]) \
+        switches = any(o.startswith("method.name=") for o in ROWS[kind][name])
+        if switches and not any(o.startswith("method.block_size=") for o in ROWS[kind][name]) \
                 and config.drafts_per_block != base.drafts_per_block:
             extra = (f"method.block_size={base.drafts_per_block + config.first_prediction_slot}",)
-            recipe = row_recipe(name, target, extra)
+            recipe = row_recipe(kind, name, target, extra)
             config = resolve(recipe, target_config)
         if name != "base" and _same_run(recipe, config, base_recipe, base):
             skipped[name] = "resolves to base"
             continue
-        planned[name] = ROWS[name] + extra
+        planned[name] = ROWS[kind][name] + extra
     return planned, skipped
 
 
@@ -123,13 +141,16 @@ def _same_run(recipe, config, base_recipe, base) -> bool:
 
 
 def describe(config) -> str:
+    if not hasattr(config, "block_size"):  # EAGLE-3
+        return (f"TTT {config.ttt_length} steps, decay {config.ttt_decay:g}, draft vocabulary {config.draft_vocab_size}, "
+                f"loss {config.loss}, context layers {config.target_layer_ids}")
     return (f"B {config.block_size}, gamma {config.gamma:g}, {config.num_anchors} anchors, {config.num_layers} layers, "
             f"{config.num_kv_heads} KV heads, context layers {config.target_layer_ids}")
 
 
 class Bench:
-    def __init__(self, target: str, out: Path, seconds: float):
-        self.target, self.out, self.seconds = target, out, seconds
+    def __init__(self, kind: str, target: str, out: Path, seconds: float):
+        self.kind, self.target, self.out, self.seconds = kind, target, out, seconds
         self.env = dict(os.environ, **ENV, DRAFTSMITH_CACHE=str(out / "cache"))  # one regeneration per seed
         self.logs = out / "logs"
 
@@ -154,7 +175,7 @@ class Bench:
 
     def train(self, overrides: tuple[str, ...], run: Path, seed: int, steps: int, log_name: str) -> float:
         resume = ["train.resume=true"] if any((run / "checkpoints").glob("checkpoint_*")) else []
-        return self.locked([sys.executable, "-m", "draftsmith.cli", "train", "--recipe", str(RECIPE),
+        return self.locked([sys.executable, "-m", "draftsmith.cli", "train", "--recipe", str(RECIPES[self.kind]),
                             f"target.path={self.target}", *overrides, f"train.output_dir={run}",
                             f"train.seed={seed}", f"train.max_steps={steps}", *resume], log_name)
 
@@ -169,7 +190,7 @@ class Bench:
         """A 1-step run builds the seed's regenerated answers into the shared cache, so no
         timed or budgeted run pays for them."""
         print(f"== seed {seed}: data warm-up (regeneration into {self.out / 'cache'})", flush=True)
-        self.scratch_train(ROWS["base"], seed, 1, f"warmup_seed{seed}")
+        self.scratch_train(ROWS[self.kind]["base"], seed, 1, f"warmup_seed{seed}")
 
     def calibrate(self, rows: dict[str, tuple[str, ...]]) -> dict[str, dict]:
         """Row -> seconds per step (seed 0), from two runs of CALIBRATION steps; kept in
@@ -279,14 +300,24 @@ def seed_reports(seed_dir: Path, rows: list[str]) -> dict[str, dict]:
 
 def summarize_rows(per_seed: dict[int, dict[str, dict]], steps: dict[str, int], calibration: dict) -> dict:
     """Row -> {what, steps, sec_per_step, tau (headline), tau_greedy_no_loop, speedup}, each
-    a median/min/max/seeds spread over the seeds; a row missing from a seed is an error."""
+    a median/min/max/seeds spread over the seeds, and {acceptance, acceptance_greedy}: per
+    draft position, the median over seeds; a row missing from a seed is an error."""
     summary = summarize(per_seed)
     head, greedy = summary[HEADLINE], summary[GREEDY]
     return {name: {"what": " ".join(o.removeprefix("method.") for o in calibration[name]["overrides"]) or "-",
                    "steps": steps[name], "sec_per_step": calibration[name]["sec_per_step"],
                    "tau": head["drafters"][name], "tau_greedy_no_loop": greedy["drafters_no_loop"].get(name),
-                   "speedup": head["speedup"][name]}
+                   "speedup": head["speedup"][name], "acceptance": acceptance(per_seed, HEADLINE, name),
+                   "acceptance_greedy": acceptance(per_seed, GREEDY, name)}
             for name in steps}
+
+
+def acceptance(per_seed: dict[int, dict[str, dict]], label: str, name: str) -> list[float]:
+    """Row `name`'s acceptance per draft position at `label`, median over seeds (every prompt:
+    the report keeps no per-position split by looping)."""
+    series = [next(d for d in reports[label]["drafters"] if d["name"] == name)["per_position_acceptance"]
+              for reports in per_seed.values()]
+    return [statistics.median(values) for values in zip(*series)]
 
 
 def _cell(spread: dict | None, unit: str = "") -> str:
@@ -298,13 +329,16 @@ def _cell(spread: dict | None, unit: str = "") -> str:
 def markdown(rows: dict, seconds: float, seeds: list[int], base: str, skipped: dict) -> str:
     lines = [f"Each row trained for {seconds:g} s (steps from its s/step at seed 0), seeds {' '.join(map(str, seeds))}: "
              "median (min-max) over seeds. tau at temperature 0.7 / top-p 0.8 / top-k 20; greedy tau on the prompts "
-             "whose plain text does not loop; speedup at t0.7 against plain decoding in the same eval.", "",
+             "whose plain text does not loop; speedup at t0.7 against plain decoding in the same eval; acceptance "
+             "of draft positions 1, 2, ... (median over seeds, every prompt).", "",
              f"base: {base}.", "",
-             "| row | what changed | steps | s/step | tau t0.7 | tau greedy, no loop | speedup t0.7 |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| row | what changed | steps | s/step | tau t0.7 | tau greedy, no loop | speedup t0.7 | acceptance t0.7 "
+             "| acceptance greedy |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for name, r in rows.items():
+        accept = [" ".join(f"{a:.2f}" for a in r[key]) for key in ("acceptance", "acceptance_greedy")]
         lines.append(f"| {name} | {r['what']} | {r['steps']} | {r['sec_per_step']:.3f} | {_cell(r['tau'])} "
-                     f"| {_cell(r['tau_greedy_no_loop'])} | {_cell(r['speedup'], 'x')} |")
+                     f"| {_cell(r['tau_greedy_no_loop'])} | {_cell(r['speedup'], 'x')} | {accept[0]} | {accept[1]} |")
     if skipped:
         lines += ["", "Not run (same drafter and training as base): " + ", ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
@@ -315,18 +349,26 @@ def main(argv=None) -> None:
     parser.add_argument("--target", required=True, help="the trained demo target (a run folder or model folder)")
     parser.add_argument("--seconds", type=float, default=90.0, help="training seconds per row (default 90)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_ablation")
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS), metavar="ROW",
-                        help="rows to run (default all): " + " ".join(ROWS))
+    parser.add_argument("--recipe", choices=list(RECIPES), default="dflash",
+                        help="the tiny recipe whose rows to run (default dflash)")
+    # Each recipe has its own base and calibration.json keyed by row name: its own folder.
+    parser.add_argument("--out", type=Path, help="default runs/bench_ablation (dflash), runs/bench_ablation_<recipe>")
+    parser.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run (default all): " + "; ".join(
+        f"{kind}: {' '.join(table)}" for kind, table in ROWS.items()))
     parser.add_argument("--summarize-only", action="store_true", help="read finished runs; run nothing")
     args = parser.parse_args(argv)
-    target, out = str(Path(args.target).resolve()), args.out.resolve()
+    kind, names = args.recipe, args.rows or list(ROWS[args.recipe])
+    unknown = [name for name in names if name not in ROWS[kind]]
+    if unknown:
+        parser.error(f"--rows: {', '.join(unknown)} not among {kind}'s rows ({' '.join(ROWS[kind])})")
+    target = str(Path(args.target).resolve())
+    out = (args.out or ROOT / "runs" / ("bench_ablation" if kind == "dflash" else f"bench_ablation_{kind}")).resolve()
     target_config = read_target_config(find_model_dir(target, require="target"))
-    rows, skipped = plan_rows(list(dict.fromkeys(args.rows)), target, target_config)
+    rows, skipped = plan_rows(kind, list(dict.fromkeys(names)), target, target_config)
     for name, why in skipped.items():
         print(f"{name}: {why}; not run", flush=True)
-    base = describe(resolve(row_recipe("base", target), target_config))
-    bench = Bench(target, out, args.seconds)
+    base = describe(resolve(row_recipe(kind, "base", target), target_config))
+    bench = Bench(kind, target, out, args.seconds)
 
     if args.summarize_only:
         calibration = read_json(out / "calibration.json")
@@ -349,8 +391,8 @@ def main(argv=None) -> None:
     steps = {name: run_steps(out / f"seed{args.seeds[0]}" / name) for name in rows}
     summary = summarize_rows(per_seed, steps, calibration)
     text = markdown(summary, args.seconds, args.seeds, base, skipped)
-    write_json(out / "ablation.json", {"seconds": args.seconds, "seeds": args.seeds, "base": base, "rows": summary,
-                                       "skipped": skipped})
+    write_json(out / "ablation.json", {"recipe": kind, "seconds": args.seconds, "seeds": args.seeds, "base": base,
+                                       "rows": summary, "skipped": skipped})
     with atomic_file(out / "ablation.md") as handle:
         handle.write(text)
     print(text)

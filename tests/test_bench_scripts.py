@@ -95,34 +95,42 @@ DEMO_TARGET = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 256
                "max_position_embeddings": 2048, "rms_norm_eps": 1e-6}
 
 
-def test_ablation_rows_are_recipes_one_factor_from_base(monkeypatch):
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_ablation_rows_are_recipes_one_factor_from_base(monkeypatch, kind):
     import dataclasses
 
     from draftsmith.models.dflash import default_gamma
 
     bench = bench_script(monkeypatch, "bench_ablation")
-    for name, overrides in bench.ROWS.items():  # load_recipe refuses unknown keys and bad values
-        params = bench.row_recipe(name, "runs/t").method.params
+    table = bench.ROWS[kind]
+    for name, overrides in table.items():  # load_recipe refuses unknown keys and bad values
+        params = bench.row_recipe(kind, name, "runs/t").method.params
         if "block_size" in params and any(o.startswith("method.block_size=") for o in overrides):
             assert params["gamma"] == default_gamma(params["block_size"] - 1), name
-    rows, skipped = bench.plan_rows(list(bench.ROWS), "runs/t", DEMO_TARGET)
-    assert "base" in rows and set(rows) | set(skipped) == set(bench.ROWS)
+    rows, skipped = bench.plan_rows(kind, list(table), "runs/t", DEMO_TARGET)
+    assert "base" in rows and set(rows) | set(skipped) == set(table)
     resolved = lambda overrides: bench.resolve(  # noqa: E731
-        bench.load_recipe(bench.RECIPE, ["target.path=runs/t", *overrides]), DEMO_TARGET)
+        bench.load_recipe(bench.RECIPES[kind], ["target.path=runs/t", *overrides]), DEMO_TARGET)
     base = dataclasses.asdict(resolved(()))
+    base_type = type(resolved(())).__name__
     for name, overrides in rows.items():
         config = resolved(overrides)
         changed = {k for k, v in dataclasses.asdict(config).items() if v != base.get(k, v)}
-        assert (name == "base") == (not changed and type(config).__name__ == "DFlashConfig"), (name, changed)
-        if not name.startswith("block"):  # every other row drafts as many tokens per block as base
+        assert (name == "base") == (not changed and type(config).__name__ == base_type), (name, changed)
+        if kind == "dflash" and not name.startswith("block"):  # every other row drafts as many tokens as base
             assert config.drafts_per_block == base["block_size"] - 1, name
-    assert resolved(rows["deepspec"]).first_prediction_slot == 0
+    if kind == "dflash":
+        assert resolved(rows["deepspec"]).first_prediction_slot == 0
+        assert resolved(rows["dpace"]).position_weights == "dpace"
+    else:
+        assert {resolved(rows[name]).loss for name in rows} == {"ce", "lk_lambda", "lk_alpha"}
     for name in skipped:
-        assert dataclasses.asdict(resolved(bench.ROWS[name])) == base, name
+        assert dataclasses.asdict(resolved(table[name])) == base, name
     # A row restating base's resolved values is the same run: skipped, not trained twice.
-    monkeypatch.setitem(bench.ROWS, "restated", (f"method.block_size={base['block_size']}",
-                                                 f"method.num_layers={base['num_layers']}"))
-    assert bench.plan_rows(["base", "restated"], "runs/t", DEMO_TARGET)[1] == {"restated": "resolves to base"}
+    restated = ((f"method.block_size={base['block_size']}", f"method.num_layers={base['num_layers']}")
+                if kind == "dflash" else (f"method.ttt_length={base['ttt_length']}",))
+    monkeypatch.setitem(table, "restated", restated)
+    assert bench.plan_rows(kind, ["base", "restated"], "runs/t", DEMO_TARGET)[1] == {"restated": "resolves to base"}
 
 
 def test_ablation_summary_is_median_and_range_over_seeds(monkeypatch, tmp_path):
