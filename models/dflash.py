@@ -355,6 +355,7 @@ class DFlashAttention(nn.Module):
         super().__init__()
         hd, heads, kv = qc.head_dim, qc.num_attention_heads, qc.num_key_value_heads
         self.head_dim, self.groups, self.scaling = hd, heads // kv, hd**-0.5
+        self.block_size = 0  # set by DFlashDrafter: dense masks then go to own_block_attend
         self.q_proj = nn.Linear(qc.hidden_size, heads * hd, bias=False)
         self.k_proj = nn.Linear(qc.hidden_size, kv * hd, bias=False)
         self.v_proj = nn.Linear(qc.hidden_size, kv * hd, bias=False)
@@ -383,10 +384,34 @@ class DFlashAttention(nn.Module):
         k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
         if is_block_mask(visible):
             out = flex_attend(q, k, v, visible, self.scaling)
+        elif visible is not None and self.block_size:
+            out = own_block_attend(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), visible, self.block_size,
+                                   self.scaling)
         else:
             k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=self.scaling)
         return self.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+
+
+def own_block_attend(q, k, v, visible, block_size: int, scale: float) -> torch.Tensor:
+    """Attention of block rows q [B, h, Q, d] over keys [context (T); blocks (Q)] k, v
+    [B, h, T + Q, d] under a dense `visible` [B|1, 1, Q, T + Q] whose block part is block-
+    diagonal and whole (`block_visibility`, `layer_masks`): what SDPA computes under that mask,
+    but with each row scored against its own block's keys only, so the cost is Q * (T + block)
+    instead of Q * (T + Q). With N blocks per row the block part of SDPA's mask is N times
+    wider than the context it hides; in a packed row, with anchors per conversation, N grows
+    with the conversations in the row, and SDPA's cost with N squared."""
+    batch, heads, rows, dim = q.shape
+    context = k.shape[2] - rows
+    n = rows // block_size
+    scores = torch.matmul(q, k[:, :, :context].transpose(2, 3)) * scale
+    scores = scores.masked_fill(~visible[..., :context], float("-inf"))
+    blocks = lambda t: t[:, :, context:].reshape(batch, heads, n, block_size, dim)  # noqa: E731
+    own = torch.matmul(q.reshape(batch, heads, n, block_size, dim), blocks(k).transpose(3, 4)) * scale
+    probs = torch.cat([scores, own.reshape(batch, heads, rows, block_size)], dim=-1).softmax(-1)
+    out = torch.matmul(probs[..., :context], v[:, :, :context])
+    mixed = torch.matmul(probs[..., context:].reshape(batch, heads, n, block_size, block_size), blocks(v))
+    return out + mixed.reshape(batch, heads, rows, dim)
 
 
 class DFlashLayer(nn.Module):
@@ -415,6 +440,8 @@ class DFlashDrafter(nn.Module):
         qc = config.qwen3_config()
         n = len(config.target_layer_ids)
         self.layers = nn.ModuleList(DFlashLayer(qc) for _ in range(config.num_layers))
+        for layer in self.layers:  # a dense mask's block part is block-diagonal: own_block_attend
+            layer.self_attn.block_size = config.block_size
         self.fc = nn.Linear(n * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

@@ -201,6 +201,23 @@ def test_a_block_ignores_other_blocks_and_everything_after_its_anchor(target):
 WINDOWED = dict(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
 
 
+def test_each_row_scored_against_its_own_block_is_sdpa_under_the_dense_mask():
+    """own_block_attend (the dense training path) computes what SDPA computes under
+    block_visibility's mask, at the cost of its own block instead of every block's keys."""
+    from torch.nn import functional as F
+
+    from draftsmith.models.dflash import own_block_attend
+
+    g = torch.Generator().manual_seed(0)
+    anchors, context, size = torch.tensor([[3, 9, 14], [5, 11, -1]]), 16, 4
+    visible = block_visibility(anchors.clamp_min(0), context, size)
+    q = torch.randn(2, 3, 12, 8, generator=g)
+    k, v = (torch.randn(2, 3, context + 12, 8, generator=g) for _ in range(2))
+    torch.testing.assert_close(own_block_attend(q, k, v, visible, size, 8**-0.5),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=8**-0.5),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("layers", [{}, WINDOWED], ids=["full", "sliding"])
 def test_training_blocks_equal_decoding_blocks(target, layers):
     # Same keys, positions and inputs: a training block of anchor a is the decode step
