@@ -170,6 +170,24 @@ def atomic_dir(dest: str | os.PathLike, replace: bool = True) -> Iterator[Path]:
         os.rename(tmp, dest)
 
 
+def link_tree(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """`dest` (atomically) a copy of the folder `source` whose files are hard links where the
+    file system allows (one write of a model serves a checkpoint, the best and the last)."""
+    source = Path(source)
+    with atomic_dir(dest) as tmp:
+        for item in sorted(source.rglob("*")):
+            target = tmp / item.relative_to(source)
+            if item.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(item, target)
+            except OSError:  # another device, or links refused: a copy
+                shutil.copy2(item, target)
+    return Path(dest)
+
+
 @contextlib.contextmanager
 def atomic_file(dest: str | os.PathLike, mode: str = "w") -> Iterator:
     """Yield an open file whose contents replace `dest` only if the block succeeds."""

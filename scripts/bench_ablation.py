@@ -72,8 +72,10 @@ DFLASH_ROWS: dict[str, tuple[str, ...]] = {
     # DeepSpec's DFlash convention (the anchor slot predicts draft 1) beside z-lab's (base).
     "deepspec": ("method.name=dspark", "method.markov_rank=0", "method.tv_weight=0", "method.bce_weight=0",
                  "method.ce_weight=1"),
-    # D-PACE's acceptance-shaped weights (speculators) beside base's exp(-(k - 1)/gamma) decay.
-    "dpace": ("method.position_weights=dpace",),
+    # DFlash's fixed exp(-(k - 1)/gamma) decay beside base's D-PACE (speculators), which the tiny
+    # recipe took from this comparison (README "Loss weights by acceptance", run as row dpace
+    # against a decay base).
+    "decay": ("method.position_weights=decay",),
 }
 ROWS: dict[str, dict[str, tuple[str, ...]]] = {
     "dflash": DFLASH_ROWS,

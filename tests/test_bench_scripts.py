@@ -121,7 +121,7 @@ def test_ablation_rows_are_recipes_one_factor_from_base(monkeypatch, kind):
             assert config.drafts_per_block == base["block_size"] - 1, name
     if kind == "dflash":
         assert resolved(rows["deepspec"]).first_prediction_slot == 0
-        assert resolved(rows["dpace"]).position_weights == "dpace"
+        assert resolved(rows["decay"]).position_weights == "decay" and base["position_weights"] == "dpace"
     else:
         assert {resolved(rows[name]).loss for name in rows} == {"ce", "lk_lambda", "lk_alpha"}
     for name in skipped:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.cli import main
+from draftsmith.models.target import find_model_dir
 from draftsmith.errors import DraftsmithError
 from draftsmith.registry import posthoc, trainable
 from draftsmith.train import loop
@@ -542,10 +543,11 @@ def test_regenerate_out_equal_to_an_input_or_a_folder_is_refused_up_front(run, t
     folder.mkdir()
     assert "is a folder" in one_line_error(capsys, main(regen + ["--out", str(folder)]))
     assert data.read_text() == human + "\n" and sorted(os.listdir(tmp_path)) == ["answers", "human.jsonl", "link.jsonl"]
-    model_files = sorted(os.listdir(run / "model"))
+    read = find_model_dir(run)  # the run's best weights (RUN/best/model)
+    model_files = sorted(os.listdir(read))
     line = one_line_error(capsys, main(["data", "cache-hidden", "--target", str(run), "--method", "eagle3",
-                                        "--out", str(run / "model")]))
-    assert "is the --target being read" in line and sorted(os.listdir(run / "model")) == model_files
+                                        "--out", str(read)]))
+    assert "is the --target being read" in line and sorted(os.listdir(read)) == model_files
 
 
 # ---------------------------------------------------------------- files as open() would write them
@@ -611,9 +613,12 @@ def test_a_full_disk_when_saving_the_model_is_one_line(tmp_path, capsys, monkeyp
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", torch_short_write)
     out = tmp_path / "run"
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(out, **STRAIGHT)]))
-    assert f"cannot write {out / 'model'}: the disk is full (" in line and "unexpected pos" in line
-    assert f"{out / 'model'} was not written" in line
-    assert not (out / "model").exists() and loop.check_checkpoint(latest_checkpoint(out)) == 6
+    # The model is first written into the first checkpoint (checkpoint_N/model, what export and
+    # eval read of it); the last weights are that step's files, linked.
+    assert "cannot write the checkpoint of step 3" in line and "the disk is full" in line and "unexpected pos" in line
+    assert "no earlier checkpoint exists" in line
+    assert not (out / "model").exists() and latest_checkpoint(out) is None
+    assert not list((out / "checkpoints").glob("*"))  # the failed one removed whole (with its folder)
 
 
 def test_a_full_disk_in_regeneration_keeps_the_answers_written(run, tmp_path, capsys, monkeypatch):

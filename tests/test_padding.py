@@ -86,8 +86,8 @@ def test_batches_cut_to_their_longest_row_train_as_rows_padded_to_seq_len(work, 
     from draftsmith.models import dflash
 
     draw = dflash.sample_anchors
-    monkeypatch.setattr(dflash, "sample_anchors", lambda mask, n, generator=None: draw(
-        F.pad(mask, (0, SEQ - mask.shape[1])), n, generator))
+    monkeypatch.setattr(dflash, "sample_anchors", lambda mask, n, generator=None, docs=None: draw(
+        F.pad(mask, (0, SEQ - mask.shape[1])), n, generator, docs))
     widths = []
     real_collate = loop.trim_padding
 

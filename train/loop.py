@@ -30,10 +30,12 @@ from draftsmith.fsutil import (
     ensure_writable_dir,
     full_disk_reason,
     is_disk_full,
+    link_tree,
     open_safetensors,
     write_failure,
 )
 from draftsmith.logs import show_progress
+from draftsmith.models.run_weights import MODEL
 from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.best import BestWeights
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_name, saved_checkpoints
@@ -428,9 +430,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
                        resume_step if resume_from is not None else None)
         _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
     best = BestWeights(out_dir, resume_step if resume_from is not None else None, accelerator.is_main_process)
-
-    def write_weights(folder: Path) -> None:  # the method's model, as export and eval read it
-        method.save(accelerator.unwrap_model(model), folder)
+    weights = StepWeights(method, accelerator, model)
 
     micro = step * t.grad_accum
     bar = tqdm(total=max_steps, initial=step, desc=f"train {recipe.method.name}", dynamic_ncols=True,
@@ -483,7 +483,8 @@ def _train(recipe: Recipe, run: dict) -> Path:
             if step % t.eval_every == 0 or step == max_steps:
                 val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator)
                 _log(accelerator, history, step, val)
-                best.offer(val, step, write_weights)
+                if best.offer(val, step, weights.at(step)):
+                    weights.written[step] = best.folder / MODEL  # where that write came to rest
                 if val and accelerator.is_main_process:
                     with logging_redirect_tqdm([logging.getLogger("draftsmith")]):  # the CLI's handler
                         log.info("step %d: %s", step, ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
@@ -491,7 +492,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
             if step % t.save_every == 0 or step == max_steps:
                 stop_if_not_finite(accelerator, _weights_problem(model), step, out_dir)
                 save_checkpoint(accelerator, out_dir, step, {"sums": window, "n": window_n, "tokens": tokens,
-                                                             "s": time.perf_counter() - started}, write_weights)
+                                                             "s": time.perf_counter() - started}, weights.at(step))
             if step >= max_steps or micro % per_epoch == 0:
                 break
         else:  # only a stream ends before its pass does: the corpus is shorter than the run
@@ -501,10 +502,29 @@ def _train(recipe: Recipe, run: dict) -> Path:
     accelerator.wait_for_everyone()
     final = None
     if accelerator.is_main_process:
-        final = method.save(accelerator.unwrap_model(model), out_dir)  # the last weights, RUN/model
+        final = weights.at(step)(out_dir)  # the last weights, RUN/model
         log.info("wrote %s", final)
     accelerator.end_training()
     return final or out_dir
+
+
+class StepWeights:
+    """The method's model as export and eval read it (`method.save`), written once per step:
+    the checkpoint, the best and the last weights of one step share its files (hard links)."""
+
+    def __init__(self, method, accelerator, model):
+        self.method, self.accelerator, self.model = method, accelerator, model
+        self.written: dict[int, Path] = {}  # step -> the folder its model was written to
+
+    def at(self, step: int) -> Callable[[Path], Path]:
+        def write(folder: Path) -> Path:
+            source = self.written.get(step)
+            if source is not None and source.is_dir():
+                return link_tree(source, folder / source.name)
+            self.written[step] = self.method.save(self.accelerator.unwrap_model(self.model), folder)
+            return self.written[step]
+
+        return write
 
 
 def _log(accelerator, history: Path, step: int, logs: dict[str, float]) -> None:

@@ -51,12 +51,12 @@ def parse_drafter_arg(arg: str) -> tuple[str, Path | None]:
 
 
 def drafter_weights(arg: str) -> str | None:
-    """Which weights of a training run a `--drafter` argument reads (best, a checkpoint, last;
-    models/run_weights.py), None where it names no run."""
+    """Which weights of a training run a `--drafter` argument (already parsed into its
+    proposer) reads: best, a checkpoint, last (models/run_weights.py); None where it names no run."""
     from draftsmith.models.run_weights import weights_label
 
-    path = parse_drafter_arg(arg)[1]
-    return weights_label(path) if path is not None else None
+    path = split_label(arg)[1].partition(":")[2]
+    return weights_label(find_model_dir(path)) if path else None
 
 
 def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None):
