@@ -196,6 +196,9 @@ WAIT = textwrap.dedent("""
 """)
 
 
+# Slow (28 s, most of it the 15 s timeout it proves): out of the CI suite, whose 10 minutes it
+# would break; `make test-slow` runs it.
+@pytest.mark.slow
 def test_the_recipes_dist_timeout_bounds_the_wait_for_the_main_process(tmp_path):
     """train.dist_timeout reaches the process group: a wait longer than it fails (gloo's own
     default, 30 minutes, would let this 60 s wait pass), a shorter one passes. 15 s, not less:

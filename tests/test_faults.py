@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from draftsmith.cli import main
-from draftsmith.models.target import find_model_dir
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.target import find_model_dir
 from draftsmith.registry import posthoc, trainable
 from draftsmith.train import loop
 from draftsmith.train.loop import latest_checkpoint, train

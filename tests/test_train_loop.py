@@ -159,6 +159,9 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one(tmp_path, monkeypatch
     assert not (run / "model").exists()
 
 
+# Slow (16 s): `draftsmith train --accelerate-config` (tests/test_cli.py) launches the same entry
+# under accelerate in the CI suite; this one launches `python -m draftsmith.train` by hand.
+@pytest.mark.slow
 def test_accelerate_launch_runs_the_module_entry(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
