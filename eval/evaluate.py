@@ -22,7 +22,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.auto_draft import AUTO, CALIBRATION_PROMPTS
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
-from draftsmith.eval.proposers import drafter_weights, parse_drafter_arg, proposer_from_arg
+from draftsmith.eval.proposers import parse_drafter_arg, proposer_from_arg
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.report import (
     check_report_dest,
@@ -349,7 +349,7 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
         t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
         row = {
             "name": proposer.name if unique else arg,
-            "drafter": arg, "weights": drafter_weights(arg), "num_draft": chosen, "tau": stats.tau,
+            "drafter": arg, "weights": getattr(proposer, "weights", None), "num_draft": chosen, "tau": stats.tau,
             "tau_no_loop": no_loop.tau if no_loop is not None else None,
             "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,

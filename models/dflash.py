@@ -506,8 +506,11 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((anchor.shape[0], size), self.config.mask_token_id, dtype=torch.long, device=anchor.device)
         ids[:, 0] = anchor
         positions = torch.arange(len(cache), len(cache) + size, device=anchor.device).expand_as(ids)
-        past = torch.arange(len(cache), device=anchor.device).expand(ids.shape[0], -1)
-        hidden = self(embed(ids), positions, cache.layers, self.layer_masks(None, past, positions))
+        masks = None
+        if self.config.sliding_window:  # only a sliding layer reads the cached context's positions
+            past = torch.arange(len(cache), device=anchor.device).expand(ids.shape[0], -1)
+            masks = self.layer_masks(None, past, positions)
+        hidden = self(embed(ids), positions, cache.layers, masks)
         first = self.first_prediction_slot
         return hidden[:, first:first + self.drafts_per_block]
 

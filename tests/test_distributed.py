@@ -173,7 +173,9 @@ def test_a_gpu_config_on_a_machine_without_gpus_stops_every_process(tmp_path):
     """Without the check, each process trains alone as rank 0 of 1 and writes the same folder."""
     done = launch("ddp", "-m", "draftsmith.train", "recipes/tiny/mtp.yaml", *overrides(tmp_path / "run"), cpu=False)
     assert done.returncode != 0
-    assert done.stderr.count("draftsmith: error: accelerate launched 2 processes for GPUs") == 2, done.stderr[-2000:]
+    # Each process stops itself; torchrun's agent then ends the other, sometimes before that one
+    # has printed its line (found by make test: 1 of 2 lines, about one run in three).
+    assert done.stderr.count("draftsmith: error: accelerate launched 2 processes for GPUs") >= 1, done.stderr[-2000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.run_weights import weights_label
 from draftsmith.models.target import check_capturable, find_model_dir
 from draftsmith.registry import import_ref, proposer_names
 
@@ -50,15 +51,6 @@ def parse_drafter_arg(arg: str) -> tuple[str, Path | None]:
     return name, Path(folder)
 
 
-def drafter_weights(arg: str) -> str | None:
-    """Which weights of a training run a `--drafter` argument (already parsed into its
-    proposer) reads: best, a checkpoint, last (models/run_weights.py); None where it names no run."""
-    from draftsmith.models.run_weights import weights_label
-
-    path = split_label(arg)[1].partition(":")[2]
-    return weights_label(find_model_dir(path)) if path else None
-
-
 def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None):
     """The proposer a `--drafter` argument names, built for `target`; its `name` is the argument's NAME.
     `overrides`: method name -> proposer options set for this run (e.g. eval's
@@ -68,5 +60,7 @@ def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None
     options = {**options, **(overrides or {}).get(method.name, {})}
     proposer = import_ref(method.proposer, f"drafter {arg!r}")(path, target, **options)
     proposer.name = split_label(arg)[0] or name
+    # Which of a run's weights it reads (best, a checkpoint, last), for the report's weights column.
+    proposer.weights = weights_label(path) if path is not None else None
     check_capturable(target, proposer.capture_layers, f"drafter {arg!r}")
     return proposer
