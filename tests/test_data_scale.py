@@ -144,8 +144,8 @@ def test_a_recipe_names_the_server_dataset_folder_and_columns(server, target_dir
 
 
 def test_post_hoc_training_data_comes_from_the_recipes_server(server, target_dir, target, tokenizer, tmp_path):
+    from draftsmith.data.posthoc_rows import conversations_file
     from draftsmith.recipe import load_recipe
-    from draftsmith.train.posthoc import conversations_file
 
     data = write_jsonl(tmp_path / "convs.jsonl", CONVERSATIONS[:3])
     recipe = load_recipe(None, [f"target.path={target_dir}", f"data.dataset={data}",

@@ -110,8 +110,7 @@ def test_batches_cut_to_their_longest_row_train_as_rows_padded_to_seq_len(work, 
 def test_data_num_proc_tokenizes_in_processes_to_the_same_rows(work, monkeypatch):
     from transformers import AutoTokenizer
 
-    from draftsmith.data import chat
-    from draftsmith.train import posthoc
+    from draftsmith.data import chat, posthoc_rows
 
     tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
     source = work / "conversations.jsonl"
@@ -125,7 +124,7 @@ def test_data_num_proc_tokenizes_in_processes_to_the_same_rows(work, monkeypatch
     for procs, expected in ((3, 3), (1, None)):
         recipe = load_recipe(golden_runs.ROOT / "recipes" / "tiny" / "eagle3.yaml",
                              [*golden_runs.overrides("eagle3", work), f"data.num_proc={procs}"])
-        posthoc.training_rows(recipe, None, tokenizer)
+        posthoc_rows.training_rows(recipe, None, tokenizer)
         assert asked[-1] == expected
 
 

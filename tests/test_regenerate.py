@@ -148,8 +148,8 @@ def test_sampled_regeneration_is_reproducible_from_its_seed(target, tokenizer, t
 
 
 def test_post_hoc_recipes_regenerate_sampled_and_key_the_cache_on_it():
+    from draftsmith.data.posthoc_rows import rows_settings
     from draftsmith.recipe import recipe_from_dict
-    from draftsmith.train.posthoc import rows_settings
 
     base = recipe_from_dict({"method": {"name": "eagle3"}})
     assert (base.data.regen_temperature, base.data.regen_top_p, base.data.regen_top_k) == (0.7, 0.8, 20)
