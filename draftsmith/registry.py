@@ -35,6 +35,9 @@ class DecodeOption:
         return "--" + self.name.replace("_", "-")
 
 
+_REQUIRED = object()
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
@@ -45,6 +48,9 @@ class MethodSpec:
     training: str = ""  # "module:Class": its TrainMethod subclass ("" nothing to train)
     reads_target_features: bool = False  # trained post hoc on a frozen target's hidden states
     needs_path: bool = True  # a proposer built from a trained folder (NAME:PATH)
+    # "module": its formats module (models/formats/__init__.py: read, serve, ...; "" none), the
+    # one place that knows its layouts; `face` reaches what it offers.
+    formats: str = ""
     exports: dict[str, str] = field(default_factory=dict)  # --format -> "module:function(folder, out, dtype)"
     # Decode-time variants of the same checkpoint: spec name -> options for the proposer.
     variants: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -52,13 +58,24 @@ class MethodSpec:
     # config's architectures[0]: architecture -> layout (models/layouts.py routes by it).
     foreign_layouts: dict[str, str] = field(default_factory=dict)
     # The `speculators_model_type` of the folders vLLM's `speculators` library writes for this
-    # method (models/speculators_format.py reads and writes them; models/layouts.py routes by it).
+    # method (their formats modules read and write them; models/layouts.py routes by it).
     speculators_type: str = ""
     # Options `eval` sets per run for every drafter of this method (variants included).
     decode_options: tuple[DecodeOption, ...] = ()
     # train.* values as the method's reference sets them, where they differ from the schema's
     # defaults; a recipe or override that sets the key wins.
     train_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def face(self, name: str, default: Any = _REQUIRED) -> Any:
+        """`name` of this method's formats module (`read`, `serve`, ...); `default` where the
+        method has no formats module or the module does not offer `name`."""
+        module = import_ref(self.formats, f"method {self.name!r}'s formats") if self.formats else None
+        if module is None or not hasattr(module, name):
+            if default is _REQUIRED:
+                raise DraftsmithError(f"method {self.name!r}: its formats offer no {name!r} "
+                                      f"({self.formats or 'no formats module'})")
+            return default
+        return getattr(module, name)
 
     def refs(self) -> dict[str, str]:
         """Every "module:attribute" string of this entry, by the field that holds it."""
@@ -102,13 +119,13 @@ METHODS: dict[str, MethodSpec] = method_table(
         "mtp", "DeepSeek-V3 multi-token-prediction modules trained jointly with the target",
         proposer="draftsmith.eval.proposers.mtp:load_proposer",
         config="draftsmith.models.mtp:MTPConfig", model="draftsmith.models.mtp:MTPDrafter",
-        training="draftsmith.train.mtp:MTPTraining",
+        formats="draftsmith.models.formats.mtp", training="draftsmith.train.mtp:MTPTraining",
         # DeepSeek-style targets only: engines run MTP just for architectures that declare it.
         # SGLang's NextN loader reads one module; vLLM's DeepSeekMTP all K.
-        exports={"sglang": "draftsmith.models.export_mtp:export_sglang",
-                 "vllm": "draftsmith.models.export_mtp:export_vllm",
-                 # Qwen3 targets: speculators' MTPDraftModel, module 1 (models/speculators_format.py)
-                 "speculators": "draftsmith.models.speculators_format:export_mtp"},
+        exports={"sglang": "draftsmith.models.formats.mtp:write_sglang",
+                 "vllm": "draftsmith.models.formats.mtp:write_vllm",
+                 # Qwen3 targets: speculators' MTPDraftModel, module 1 (models/formats/mtp.py)
+                 "speculators": "draftsmith.models.formats.mtp:write_speculators"},
         speculators_type="mtp",
         # Default: one row per draft, module k for draft k; mtp_nextn: module 1 for every draft (what
         # SGLang and vLLM run today); mtp_exact: DeepSeek's depths, recomputed.
@@ -118,11 +135,11 @@ METHODS: dict[str, MethodSpec] = method_table(
         "eagle3", "EAGLE-3: one decoder layer over three fused target layers, trained with TTT",
         proposer="draftsmith.eval.proposers.eagle3:load_proposer",
         config="draftsmith.models.eagle3:Eagle3Config", model="draftsmith.models.eagle3:Eagle3Drafter",
-        training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
+        formats="draftsmith.models.formats.eagle3", training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
-        exports={"sglang": "draftsmith.models.export_eagle3:export_sglang",
-                 "vllm": "draftsmith.models.export_eagle3:export_vllm",
-                 "speculators": "draftsmith.models.speculators_format:export_eagle3", "native": _NATIVE_EXPORT},
+        exports={"sglang": "draftsmith.models.formats.eagle3:write_sglang",
+                 "vllm": "draftsmith.models.formats.eagle3:write_vllm",
+                 "speculators": "draftsmith.models.formats.eagle3:write_speculators", "native": _NATIVE_EXPORT},
         variants={"eagle3_tree": {"tree": True},
                   # EAGLE-2 as published: top-k children under sampling too (an ablation)
                   "eagle3_tree_topk": {"tree": True, "sampled_children": False}},
@@ -133,10 +150,10 @@ METHODS: dict[str, MethodSpec] = method_table(
         "dflash", "DFlash: a block-diffusion drafter filling a block of masks in one forward",
         proposer="draftsmith.eval.proposers.dflash:load_proposer",
         config="draftsmith.models.dflash:DFlashConfig", model="draftsmith.models.dflash:DFlashDrafter",
-        training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
+        formats="draftsmith.models.formats.dflash", training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
-        exports={"zlab": "draftsmith.models.export_dflash:export_zlab",
-                 "speculators": "draftsmith.models.speculators_format:export_dflash", "native": _NATIVE_EXPORT},
+        exports={"zlab": "draftsmith.models.formats.dflash:write_zlab",
+                 "speculators": "draftsmith.models.formats.dflash:write_speculators", "native": _NATIVE_EXPORT},
         foreign_layouts={"DFlashDraftModel": "zlab"},  # z-lab and SpecForge
         speculators_type="dflash",
     ),
@@ -144,14 +161,14 @@ METHODS: dict[str, MethodSpec] = method_table(
         "dspark", "DSpark: DFlash's backbone plus a light serial refiner and a confidence head",
         proposer="draftsmith.eval.proposers.dspark:load_proposer",
         config="draftsmith.models.dspark:DSparkConfig", model="draftsmith.models.dspark:DSparkDrafter",
-        training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
+        formats="draftsmith.models.formats.dspark", training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
         # One Qwen3DSparkModel folder serves DeepSpec, SGLang and vLLM; SpecForge's trainer reads its own.
-        exports={"sglang": "draftsmith.models.export_dflash:export_qwen3_dspark",
-                 "vllm": "draftsmith.models.export_dflash:export_qwen3_dspark",
-                 "deepspec": "draftsmith.models.export_dflash:export_qwen3_dspark",
-                 "specforge": "draftsmith.models.export_dflash:export_specforge",
-                 "speculators": "draftsmith.models.speculators_format:export_dspark", "native": _NATIVE_EXPORT},
+        exports={"sglang": "draftsmith.models.formats.dspark:write_qwen3_dspark",
+                 "vllm": "draftsmith.models.formats.dspark:write_qwen3_dspark",
+                 "deepspec": "draftsmith.models.formats.dspark:write_qwen3_dspark",
+                 "specforge": "draftsmith.models.formats.dspark:write_specforge",
+                 "speculators": "draftsmith.models.formats.dspark:write_speculators", "native": _NATIVE_EXPORT},
         foreign_layouts={"DSparkDraftModel": "specforge", "Qwen3DSparkModel": "deepspec"},
         speculators_type="dspark",  # both block conventions (sample_from_anchor states which)
         decode_options=(DecodeOption(
@@ -163,10 +180,12 @@ METHODS: dict[str, MethodSpec] = method_table(
 
 
 def import_ref(ref: str, what: str) -> Any:
-    """Import a registry string, "module:attribute"; a module missing from this build is one line."""
+    """Import a registry string, "module:attribute" (or "module"); a module missing from this
+    build is one line."""
     module, _, attr = ref.partition(":")
     try:
-        return getattr(importlib.import_module(module), attr)
+        imported = importlib.import_module(module)
+        return getattr(imported, attr) if attr else imported
     except ModuleNotFoundError as exc:
         raise DraftsmithError(f"{what} is not available in this build ({exc.name} missing)") from None
 

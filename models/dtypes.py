@@ -2,7 +2,7 @@
 
 Drafters train in float32, but an engine serves a drafter in the dtype its config names, so
 an export is written in the target's dtype unless `--dtype` says otherwise (models/export.py).
-Its own module, so that the writers (export_*.py), speculators_format.py and serve.py import
+Its own module, so that the formats modules (models/formats/) and serve.py import
 it without importing `export`, which imports them.
 """
 

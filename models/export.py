@@ -1,14 +1,15 @@
 """`draftsmith export`: a trained drafter written in the layouts other tools load.
 
 Which formats a method offers, and the function that writes each, is the method's entry
-in the registry (`draftsmith/registry.py`); the layouts themselves live in
-`export_eagle3.py`, `export_dflash.py` and `export_mtp.py`, and `layouts.py` tells them
-apart when reading (and here, which method a run holds). The drafter modules know nothing about them.
+in the registry (`draftsmith/registry.py`); the layouts themselves, and what export prints
+after writing one (notes and the engine's serve lines), live in the method's formats module
+(models/formats/<method>.py), and `layouts.py` tells them apart when reading (and here,
+which method a run holds). Nothing here knows a method by name.
 
 Precision: drafters train in float32, but an engine serves a drafter in the dtype its
 config names (SGLang's `--dtype auto` reads `torch_dtype`, and turns float32 into float16
 beside a bfloat16 target). So an export is written in the *target's* dtype (bf16 for real
-targets) unless `--dtype` names another; `serve.py` prints the command that serves it.
+targets) unless `--dtype` names another.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import shutil
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json
-from draftsmith.models.dtypes import DTYPES, target_dir_of
+from draftsmith.fsutil import atomic_dir
+from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.layouts import NATIVE, identify
-from draftsmith.models.serve import serve_commands
 from draftsmith.models.target import find_model_dir
-from draftsmith.registry import METHODS, import_ref
+from draftsmith.registry import MethodSpec, import_ref, method_spec
 
 
 def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None,
@@ -31,14 +31,13 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
     """Write the drafter of a training run (or a native drafter folder) in format `fmt`,
     its weights in `dtype` (default: the target's); a writer that writes a cost table from
     `plan --measure`'s latency table (SGLang's DSpark) takes `latency_table`."""
-    folder, method = _drafter_folder(run, fmt)
-    formats = METHODS[method].exports if method in METHODS else {}
-    if fmt not in formats:
-        raise DraftsmithError(f"{run} holds a {method} drafter: --format must be one of {', '.join(formats)}"
-                              if formats else f"{run}: no export for method {method!r}")
+    folder, spec = _drafter_folder(run, fmt)
+    if fmt not in spec.exports:
+        raise DraftsmithError(f"{run} holds a {spec.name} drafter: --format must be one of {', '.join(spec.exports)}"
+                              if spec.exports else f"{run}: no export for method {spec.name!r}")
     if dtype is not None and dtype not in DTYPES:
         raise DraftsmithError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    writer = import_ref(formats[fmt], f"--format {fmt}")
+    writer = import_ref(spec.exports[fmt], f"--format {fmt}")
     if latency_table is not None and "latency_table" in inspect.signature(writer).parameters:
         return writer(folder, out_dir, dtype, latency_table=latency_table)
     return writer(folder, out_dir, dtype)
@@ -46,41 +45,14 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
 
 def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: str | Path | None = None) -> list[str]:
     """What `draftsmith export` prints after writing: a note where the layout keeps less than
-    the run trained, then the exact commands that serve the folder (an EAGLE-3 chain's length
-    from `latency_table` and the run's acceptance when both exist, models/latency.py)."""
-    folder, method = _drafter_folder(run, fmt)
+    the run trained, then the exact commands that serve the folder (the method's `serve`)."""
+    folder, spec = _drafter_folder(run, fmt)
     if fmt == "native":
         return []  # draftsmith's own: `eval --drafter METHOD:DIR` reads it
-    notes = []
-    if fmt == "speculators" and method != "mtp":  # MTP's says why it has no serve line (mtp_note)
-        from draftsmith.models.speculators_format import serve_note
-
-        notes += [note] if (note := serve_note(written)) else []
-    if fmt == "specforge":
-        notes.append("SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
-                     "load --format sglang|vllm (Qwen3DSparkModel) instead")
-    if method == "mtp":
-        from draftsmith.models.export_mtp import sglang_note
-        from draftsmith.models.speculators_format import mtp_note
-
-        trained = (read_json(Path(written) / "config.json").get("draftsmith_mtp") or {}).get("modules_trained", 1)
-        note = sglang_note(trained) if fmt == "sglang" else mtp_note(written) if fmt == "speculators" else None
-        notes += [note] if note else []
-        target = None
-    else:
-        target = target_dir_of(folder)
-    steps = None
-    if latency_table and method == "eagle3" and target is not None:
-        from draftsmith.models.latency import chain_steps
-        from draftsmith.models.tile import plan_tile, read_target_config
-
-        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target)).D)
-        notes.append(f"EAGLE-3 chain: {why}" if steps else f"EAGLE-3 chain: the references' length ({why})")
-    commands = serve_commands(method, written, target, steps)
-    return notes + (["serve it with:", *(f"  {c}" for c in commands)] if commands else [])
+    return spec.face("serve")(folder, Path(written), fmt, latency_table)
 
 
-def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, str]:
+def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, MethodSpec]:
     folder = Path(find_model_dir(run))
     if not folder.is_dir():
         raise DraftsmithError(f"drafter {folder} not found")
@@ -92,11 +64,11 @@ def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, str]:
         raise DraftsmithError(f"{folder}/config.json is not a draftsmith drafter")
     if layout != NATIVE:
         raise DraftsmithError(f"{run} is already in the {layout} layout; export reads draftsmith's own runs")
-    if method == "mtp":  # engines load MTP only for DeepSeek-style targets: say so before any format
-        from draftsmith.models.export_mtp import check_engine_layout
-
-        check_engine_layout(folder, fmt)
-    return folder, method
+    spec = method_spec(method)
+    check = spec.face("check_export", None)  # e.g. a target no engine runs this method for: before any format
+    if check is not None:
+        check(folder, fmt)
+    return folder, spec
 
 
 def export_native(folder: Path, out_dir: str | Path, dtype: str | None = None) -> Path:

@@ -2,8 +2,9 @@
 or reads (ours and the ones other tools load), so that `eval --drafter METHOD:DIR` accepts
 any of them and names what it expected when it recognises none.
 
-The readers themselves live beside the writers (`export_eagle3.load_any`,
-`export_dflash.load_any`, `export_mtp.load_any`); this table only routes.
+The readers themselves live in each method's formats module (models/formats/<method>.py,
+`read`); this table only routes, from the registry: a method's foreign architectures, its
+speculators type, and its formats module's `claim` for folders no architecture names.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from draftsmith.fsutil import read_json
 from draftsmith.registry import METHODS
 
 NATIVE = "native"
-MTP_LAYOUT = "deepseek"  # a target whose config declares num_nextn_predict_layers
 SPECULATORS = "speculators"  # vLLM's speculators library: told apart by speculators_model_type, not architectures
 
 
@@ -26,14 +26,16 @@ def _architectures() -> dict[str, tuple[str, str]]:
 
 
 def _expected(method: str) -> str:
-    if method == "mtp":
-        return ("a draftsmith MTP run or target folder (with mtp/) or a DeepSeek-style target whose config.json "
-                "has num_nextn_predict_layers")
-    foreign = METHODS[method].foreign_layouts if method in METHODS else {}
-    kind = METHODS[method].speculators_type if method in METHODS else ""
+    spec = METHODS.get(method)
+    if spec is None:
+        return "a drafter folder"
+    expected = spec.face("EXPECTED", None)
+    if expected:
+        return expected
     return ("a draftsmith native folder" + "".join(f" or a {layout} folder (architectures [{arch!r}])"
-                                                   for arch, layout in foreign.items())
-            + (f" or a speculators folder (speculators_model_type {kind!r})" if kind else ""))
+                                                   for arch, layout in spec.foreign_layouts.items())
+            + (f" or a speculators folder (speculators_model_type {spec.speculators_type!r})"
+               if spec.speculators_type else ""))
 
 
 def _speculators_method(file: Path, kind) -> str:
@@ -71,10 +73,10 @@ def identify(path: str | Path) -> tuple[str | None, str | None, dict]:
     known = _architectures()
     if arch in known:
         return (*known[arch], meta)
-    if (path / "mtp" / "config.json").is_file():
-        return "mtp", NATIVE, meta
-    if meta.get("num_nextn_predict_layers"):
-        return "mtp", MTP_LAYOUT, meta
+    for spec in METHODS.values():  # a folder no architecture names: the method whose formats claim it
+        claim = spec.face("claim", None)
+        if claim is not None and (layout := claim(path, meta)) is not None:
+            return spec.name, layout, meta
     return None, None, meta
 
 

@@ -28,10 +28,7 @@ from draftsmith.models.dflash import (
     sample_anchors,
     spread_layer_ids,
 )
-from draftsmith.models.export_dflash import (
-    export_dflash_zlab,
-    load_any,
-)
+from draftsmith.models.formats.dflash import export_dflash_zlab, read
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, freeze, target_forward
 
@@ -367,7 +364,7 @@ def test_zlab_export_has_the_reference_layout_and_reloads_bit_identical(target, 
     prompt = torch.randint(0, MASK, (9,), generator=torch.Generator().manual_seed(2))
     before = block_logits(drafter, target, prompt)
     save_drafter(drafter, tmp_path / "native")
-    for reloaded in (load_any(tmp_path / "zlab", "dflash"), load_drafter(tmp_path / "native", "dflash"),
+    for reloaded in (read(tmp_path / "zlab"), load_drafter(tmp_path / "native", "dflash"),
                      load_proposer(tmp_path / "native", target).drafter):
         assert type(reloaded) is DFlashDrafter
         assert torch.equal(block_logits(reloaded, target, prompt), before)

@@ -23,12 +23,10 @@ from draftsmith.models.dspark import (
     DSparkConfig,
     DSparkDrafter,
 )
-from draftsmith.models.export_dflash import (
-    export_dflash_zlab,
-    export_dspark_deepspec,
-    export_dspark_specforge,
-    load_any,
-)
+from draftsmith.models.formats import dflash as dflash_formats
+from draftsmith.models.formats import dspark as dspark_formats
+from draftsmith.models.formats.dflash import export_dflash_zlab
+from draftsmith.models.formats.dspark import export_dspark_deepspec, export_dspark_specforge
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
 from test_dflash import MASK, VOCAB, target, tiny_target  # noqa: F401  (shared tiny target and fixture)
@@ -302,7 +300,7 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
 
     save_drafter(drafter, tmp_path / "native")
     before = drafts(drafter)
-    for reloaded in (load_any(tmp_path / "dspark", "dspark"), load_drafter(tmp_path / "native", "dspark"),
+    for reloaded in (dspark_formats.read(tmp_path / "dspark"), load_drafter(tmp_path / "native", "dspark"),
                      load_dspark(tmp_path / "dspark", target).drafter):
         after = drafts(reloaded)
         assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
@@ -312,15 +310,15 @@ def test_dspark_export_layout_reload_and_confusion_errors(target, tmp_path):
     save_drafter(dflash, tmp_path / "dflash-native")
     narrow = build_tiny_target(vocab_size=VOCAB, num_layers=6, hidden_size=32, num_heads=4, num_kv_heads=2)
     for call, match in (
-        (lambda: load_any(tmp_path / "dspark", "dflash"), "holds a dspark drafter, not dflash .*as dspark:"),
-        (lambda: load_any(tmp_path / "dflash", "dspark"), "holds a dflash drafter, not dspark .*as dflash:"),
+        (lambda: dflash_formats.read(tmp_path / "dspark"), "holds a dspark drafter, not dflash .*as dspark:"),
+        (lambda: dspark_formats.read(tmp_path / "dflash"), "holds a dflash drafter, not dspark .*as dflash:"),
         (lambda: load_drafter(tmp_path / "native", "dflash"), "holds a dspark drafter, not dflash"),
         (lambda: load_drafter(tmp_path / "dflash-native", "dspark"), "holds a dflash drafter, not dspark"),
         (lambda: load_dflash(tmp_path / "native", target), "holds a dspark drafter, not dflash"),
         (lambda: load_dspark(tmp_path / "dflash", target), "holds a dflash drafter, not dspark"),
         (lambda: load_dflash(tmp_path / "dflash", narrow), "hidden size 64, the target has 32"),
-        (lambda: export_dflash_zlab(drafter, tmp_path / "x"), "this is a DSpark drafter"),
-        (lambda: export_dspark_specforge(dflash, tmp_path / "x"), "this is a DFlash drafter"),
+        (lambda: export_dflash_zlab(drafter, tmp_path / "x"), "this is a dspark drafter"),
+        (lambda: export_dspark_specforge(dflash, tmp_path / "x"), "this is a dflash drafter"),
     ):
         with pytest.raises(DraftsmithError, match=match) as caught:
             call()

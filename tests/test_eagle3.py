@@ -23,7 +23,7 @@ from draftsmith.models.eagle3 import (
     Eagle3Drafter,
     default_layer_ids,
 )
-from draftsmith.models.export_eagle3 import export_eagle3, load_eagle3_export
+from draftsmith.models.formats.eagle3 import export_eagle3, load_eagle3_export
 from draftsmith.models.native import config_from_dict, load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
 from draftsmith.recipe import recipe_from_dict

@@ -20,7 +20,7 @@ from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
 from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
 from draftsmith.models.export import export_run
-from draftsmith.models.export_dflash import export_dspark_deepspec, export_dspark_specforge
+from draftsmith.models.formats.dspark import export_dspark_deepspec, export_dspark_specforge
 from draftsmith.models.mtp import MTP_DIR, MTPDrafter
 from draftsmith.models.native import save_drafter
 from draftsmith.models.target import build_tiny_target, freeze
@@ -212,7 +212,7 @@ def test_mtp_vllm_layout_round_trips_and_keeps_the_target_loadable(tmp_path):
     assert config["num_nextn_predict_layers"] == 2 and config["num_hidden_layers"] == 3
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-    # vLLM's DeepSeekMTP (see models/export_mtp.py): per module, these names and the block
+    # vLLM's DeepSeekMTP (see models/formats/mtp.py): per module, these names and the block
     # under the target's own decoder-layer names (its last layer is the same MoE layer).
     block = {n.removeprefix("model.layers.2.") for n in names if n.startswith("model.layers.2.")}
     own = {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
@@ -302,7 +302,7 @@ def test_dspark_layouts_have_the_fields_and_names_specforge_and_deepspec_read(ta
 
 def _engine_params(names, engine):
     """The parameters each engine's EAGLE-3 loader fills from these file names, by the
-    renaming rules read in its source (models/export_eagle3.py names the commits)."""
+    renaming rules read in its source (models/formats/eagle3.py names the commits)."""
     stacked = {".q_proj": ".qkv_proj", ".k_proj": ".qkv_proj", ".v_proj": ".qkv_proj",
                ".gate_proj": ".gate_up_proj", ".up_proj": ".gate_up_proj"}
     out = set()

@@ -29,7 +29,7 @@ from chat_fixtures import tiny_chat_tokenizer
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.export import export_run
-from draftsmith.models.export_mtp import load_any, load_from_target
+from draftsmith.models.formats.mtp import load_from_target, read
 from draftsmith.models.mtp import MTP_DIR, mtp_forward, mtp_losses
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, load_target, target_forward
@@ -322,7 +322,7 @@ def test_a_tuned_run_exports_where_the_checkpoint_had_its_modules_and_reads_back
     assert mtp_names(out, f"model.layers.{N}") | mtp_names(out, f"model.layers.{N + 1}") == \
         mtp_names(deepseek, f"model.layers.{N}") | mtp_names(deepseek, f"model.layers.{N + 1}")
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 2
-    back = load_any(out, target)
+    back = read(out, target)
     for (name, a), b in zip(tuned.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -348,7 +348,7 @@ def test_qwen3_next_modules_tuned_export_under_mtp_and_read_back(qwen3_next, tmp
     assert mtp_names(out, "mtp.") == mtp_names(folder, "mtp.")  # Qwen3-Next's names and shapes
     config = json.loads((out / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 1 and config["model_type"] == "qwen3_next"
-    back = load_any(out, target)
+    back = read(out, target)
     assert back.config.chain_input == "normed"
     for (name, a), b in zip(heads.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), name

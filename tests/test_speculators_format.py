@@ -1,4 +1,4 @@
-"""The speculators layout (models/speculators_format.py) against its reference reader and writer:
+"""The speculators layout (models/formats/speculators.py and each method's formats module) against its reference reader and writer:
 vLLM's `speculators` library 0.9.0 (PyPI, pure Python, installed without its dependencies as the
 Makefile's PARITY_SPEC does; its model files import on CPU with torch, transformers, pydantic and
 loguru). Our export loads through its own config and model classes (`SpeculatorModelConfig`,

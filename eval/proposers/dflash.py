@@ -59,14 +59,13 @@ class DFlashProposer:
         return Draft(tokens, None, probs)
 
 
-def load_drafter_for(path, method: str, target):
-    """A DFlash-family checkpoint in any layout we write (a training run's native model/, a
-    z-lab, SpecForge or DeepSpec folder, ours or trained by those tools), on the target's
-    device; `method` must be what the checkpoint holds."""
-    from draftsmith.models.export_dflash import load_any
-
-    return load_any(path, method, target).to(next(target.parameters()).device)
+def on_target_device(drafter, target):
+    return drafter.to(next(target.parameters()).device)
 
 
 def load_proposer(path, target, **options) -> DFlashProposer:
-    return DFlashProposer(load_drafter_for(path, "dflash", target), target, **options)
+    """From a DFlash checkpoint in any layout we read (a training run's native model/, a z-lab,
+    SpecForge or speculators folder, ours or trained by those tools: models/formats/dflash.py)."""
+    from draftsmith.models.formats.dflash import read
+
+    return DFlashProposer(on_target_device(read(path, target), target), target, **options)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.eval.proposers.base import Draft, SamplingParams
-from draftsmith.eval.proposers.dflash import DFlashProposer, load_drafter_for
+from draftsmith.eval.proposers.dflash import DFlashProposer, on_target_device
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dspark import DSparkDrafter, check_threshold
 
@@ -80,4 +80,7 @@ class DSparkProposer(DFlashProposer):
 
 
 def load_proposer(path, target, **options) -> DSparkProposer:
-    return DSparkProposer(load_drafter_for(path, "dspark", target), target, **options)
+    """From a DSpark checkpoint in any layout we read (models/formats/dspark.py)."""
+    from draftsmith.models.formats.dspark import read
+
+    return DSparkProposer(on_target_device(read(path, target), target), target, **options)

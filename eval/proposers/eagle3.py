@@ -23,13 +23,13 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers.base import Draft, SamplingParams
 from draftsmith.eval.sampling import draw_without_replacement, process_logits, sample
 from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
-from draftsmith.models.export_eagle3 import load_any
+from draftsmith.models.formats.eagle3 import read
 
 
 def load_proposer(path: str | Path, target, tree: bool = False, **options) -> "Eagle3Proposer":
     """A native EAGLE-3 folder (a training run's model/) or an SGLang/vLLM/SpecForge one, as
     a chain drafter or, with `tree`, an EAGLE-2 tree drafter (`topk`, `depth` in options)."""
-    drafter = load_any(path, target)
+    drafter = read(path, target)
     return Eagle3Proposer(drafter, mode="tree" if tree else "chain", **options)
 
 

@@ -194,6 +194,6 @@ class MTPProposer:
 
 
 def load_proposer(path, target, **options) -> MTPProposer:
-    from draftsmith.models.export_mtp import load_any
+    from draftsmith.models.formats.mtp import read
 
-    return MTPProposer(load_any(path, target), target, **options)  # a run or target with mtp/, or a DeepSeek layout
+    return MTPProposer(read(path, target), target, **options)  # a run or target with mtp/, or a DeepSeek layout

@@ -34,11 +34,12 @@ Weight names and config fields each loader reads (sources read for this file):
   `embed_tokens` in the file is loaded, otherwise the target's is shared. The layer ids are
   read by `get_eagle3_aux_layers_from_config` (top-level key only).
 - SpecForge specforge/modeling/draft/llama3_eagle.py @ a6b6b0230009 (`LlamaForCausalLMEagle3`)
-  trains with the same names and also saves `embed_tokens`; `load_any` reads its folders.
+  trains with the same names and also saves `embed_tokens`; `read` reads its folders.
 """
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import torch
@@ -47,13 +48,14 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, read_json, write_json
-from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype
+from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype, target_dir_of
 from draftsmith.models.eagle3 import (
     METHOD,
     Eagle3Config,
     Eagle3Drafter,
     default_layer_ids,
 )
+from draftsmith.models.formats import speculators
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
 from draftsmith.models.native import config_from_dict, load_drafter, load_native_weights, read_native_meta
 from draftsmith.models.target import find_model_dir, target_shape
@@ -143,11 +145,11 @@ def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Pat
     return out_dir
 
 
-def export_sglang(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+def write_sglang(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     return export_eagle3(folder, out_dir, "sglang", dtype)
 
 
-def export_vllm(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+def write_vllm(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     return export_eagle3(folder, out_dir, "vllm", dtype)
 
 
@@ -167,15 +169,41 @@ def _layer_ids(cfg: dict, num_target_layers: int, source: str) -> list[int]:
     return default_layer_ids(num_target_layers)  # what both engines then pick themselves
 
 
-def load_any(path: str | Path, target: nn.Module) -> Eagle3Drafter:
-    """An EAGLE-3 drafter from a native folder or an SGLang/vLLM/SpecForge one (ours or
-    trained elsewhere), told apart by config.json; anything else is one line."""
+def read(path: str | Path, target: nn.Module) -> Eagle3Drafter:
+    """An EAGLE-3 drafter from a native folder, an SGLang/vLLM/SpecForge one or a speculators
+    one (ours or trained elsewhere), told apart by config.json; anything else is one line."""
     layout, _ = expect(path, METHOD)
     if layout == SPECULATORS:
-        from draftsmith.models.speculators_format import load
-
-        return load(path, METHOD, target)
+        return speculators.load(path, target, _read_speculators)
     return load_drafter(path, METHOD, target) if layout == NATIVE else load_eagle3_export(path, target)
+
+
+def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | None = None) -> list[str]:
+    """What `draftsmith export` prints after writing `fmt`: SGLang's EAGLE3 chain and vLLM's
+    `eagle3` (or the speculators line), the chain's length from `plan --measure`'s table and
+    the run's acceptance when a table is given (models/latency.py), else the references'."""
+    from draftsmith.models.serve import SGLANG, chain, engine_args, printed, vllm_line, window_flag
+
+    target = target_dir_of(folder)
+    notes = speculators.serve_notes(written) if fmt == "speculators" else []
+    if target is None:
+        return notes
+    config = read_json(written / "config.json")
+    steps = None
+    if latency_table:
+        from draftsmith.models.latency import chain_steps
+        from draftsmith.models.tile import plan_tile, read_target_config
+
+        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target)).D)
+        notes.append(f"EAGLE-3 chain: {why}" if steps else f"EAGLE-3 chain: the references' length ({why})")
+    if fmt == "speculators":
+        return printed(notes, [speculators.serve_line(str(written), config, target)])
+    model, dtype, common = engine_args(target)
+    flags, d = chain(target, steps)
+    lines = [f"{SGLANG} {common} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+             f"{shlex.quote(str(written))} {flags}{window_flag(config)}",
+             vllm_line(model, dtype, {"method": METHOD, "model": str(written), "num_speculative_tokens": d})]
+    return printed(notes, lines if flags else [])
 
 
 def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
@@ -221,3 +249,65 @@ def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
         t2d[torch.arange(config.draft_vocab_size) + state["d2t"]] = True
         state["t2d"] = t2d
     return Eagle3Drafter.from_native(config, state, target, source=str(path))
+
+
+# ---------------------------------------------------------------- the speculators layout
+
+def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """A native EAGLE-3 folder as speculators' `Eagle3Speculator` (one Llama layer)."""
+    folder = Path(folder)
+    meta = read_native_meta(folder, expect_method="eagle3")
+    c = config_from_dict(Eagle3Config, meta["config"], source=f"{folder}/config.json").derive()
+    target = speculators.target_dir(folder)
+    state = load_native_weights(folder)
+    out_dtype = export_dtype(folder, dtype, state["fc.weight"].dtype)
+    layer = {**c.llama_config().to_diff_dict(), "model_type": "llama", **window_keys(c.sliding_window)}
+    config = {
+        **speculators.header("eagle3", ["Eagle3Speculator"], speculators.chain_drafts(target), target, out_dtype),
+        "transformer_layer_config": speculators.plain(layer),
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "target_hidden_size": None if c.target_hidden_size == c.hidden_size else c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
+        "embed_requires_grad": False,
+        "draftsmith": {"target_layer_ids": list(c.target_layer_ids), "ttt_length": c.ttt_length,
+                       "ttt_decay": c.ttt_decay},
+    }
+    weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+    if c.draft_vocab_size == c.vocab_size:  # the library registers no maps for a full vocabulary
+        weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
+    return speculators.write(out_dir, config, weights, out_dtype)
+
+
+def _read_speculators(meta, layer, weights, target, source):
+    speculators.require(meta, "norm_before_residual", False, source,
+             "speculators reads an absent key as false and vLLM as true; our EAGLE-3 adds the unnormalised hidden")
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        if meta.get(key):
+            raise DraftsmithError(f"{source}: {key} true is a variant draftsmith's EAGLE-3 does not implement")
+    if layer.get("model_type", "llama") != "llama":
+        raise DraftsmithError(f"{source}: transformer_layer_config model_type {layer.get('model_type')!r}; "
+                              "draftsmith's EAGLE-3 layer is Llama's (no per-head q/k norms)")
+    if layer.get("num_hidden_layers", 1) != 1:
+        raise DraftsmithError(f"{source}: num_hidden_layers {layer['num_hidden_layers']}; only one-layer EAGLE-3 is read")
+    heads, hidden = layer["num_attention_heads"], layer["hidden_size"]
+    rope = layer.get("rope_parameters") or {}
+    ours = meta.get("draftsmith") or {}
+    config = Eagle3Config(
+        hidden_size=hidden, target_hidden_size=meta.get("target_hidden_size") or hidden,
+        intermediate_size=layer["intermediate_size"], num_heads=heads,
+        num_kv_heads=layer.get("num_key_value_heads") or heads, head_dim=layer.get("head_dim") or hidden // heads,
+        vocab_size=layer["vocab_size"], draft_vocab_size=meta.get("draft_vocab_size") or layer["vocab_size"],
+        target_layer_ids=speculators.capture_ids(meta, "eagle_aux_hidden_state_layer_ids", target, source),
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta") or layer.get("rope_theta") or 10000.0),
+        max_position_embeddings=layer.get("max_position_embeddings", 4096),
+        ttt_length=ours.get("ttt_length", 7), ttt_decay=ours.get("ttt_decay", 0.8),
+        sliding_window=window_of(layer, source),
+    )
+    state = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()
+             if k not in ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")}
+    if "d2t" not in state:  # a full vocabulary: the identity maps
+        state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(config.vocab_size, dtype=torch.bool)
+    return Eagle3Drafter.from_native(config, state, target, source=source.removesuffix("/config.json"))

@@ -38,7 +38,7 @@ to 1 (vLLM's count of MTP layers, and how draftsmith tells the folder holds MTP 
 `fc` and the norms are shared by every `mtp.layers.N`, so the layout holds one module of ours:
 a K-module run of a Qwen3-Next target is refused in one line.
 
-`load_any` reads all of these, and `init: from_target` (train/mtp.py) reads a target's
+`read` reads all of these, and `init: from_target` (train/mtp.py) reads a target's
 shipped modules through it; export writes tuned modules back under the same names.
 
 The written folder is the target's, with the modules' tensors added (a shard of their own
@@ -50,6 +50,7 @@ target's: the folder is the target, so `--dtype` may only restate it.
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -58,12 +59,14 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, open_safetensors, read_json, write_json
-from draftsmith.models.dtypes import DTYPES, dtype_name
+from draftsmith.models.dtypes import DTYPES, config_dtype, dtype_name
+from draftsmith.models.formats import speculators
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect, identify
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
 
 DEEPSEEK_TYPES = ("deepseek_v3",)  # model_type of targets whose engines run MTP (read in their sources)
+DEEPSEEK_LAYOUT = "deepseek"  # a target whose config declares num_nextn_predict_layers
 QWEN3_NEXT_TYPES = ("qwen3_next",)  # mtp.* beside the target, one module
 ENGINE_TYPES = DEEPSEEK_TYPES + QWEN3_NEXT_TYPES
 QWEN3_NEXT_PREFIX = "mtp."
@@ -75,15 +78,16 @@ MTP_SHARD = "model-mtp.safetensors"
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
+METHOD = MTPDrafter.method
 SGLANG_MODULES = 1  # SGLang's NextN loader: "Only 1 nextn layer is supported"
 
 
-def export_vllm(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+def write_vllm(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """`draftsmith export --format vllm`: an MTP run's model/ (the target with mtp/), all K modules."""
     return _export(folder, out_dir, dtype, modules=None)
 
 
-def export_sglang(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+def write_sglang(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """`draftsmith export --format sglang`: module 1 alone, the one module SGLang's NextN loads."""
     return _export(folder, out_dir, dtype, modules=SGLANG_MODULES)
 
@@ -100,23 +104,21 @@ def _export(folder, out_dir, dtype: str | None, modules: int | None) -> Path:
     from draftsmith.models.target import load_target
 
     folder = Path(folder)
-    check_engine_layout(folder)
+    check_export(folder)
     target = load_target(folder)
     own = next(target.parameters()).dtype
     if dtype is not None and DTYPES[dtype] != own:
         raise DraftsmithError(f"--dtype {dtype}: the MTP layout is the target's own folder, in the target's dtype "
                               f"({dtype_name(own)}); convert the target itself to change it")
-    heads = load_drafter(mtp_dir(folder), "mtp", target)
+    heads = load_drafter(mtp_dir(folder), METHOD, target)
     return write_engine_layout(heads, target, folder, out_dir, modules=modules)
 
 
-def check_engine_layout(folder: Path, fmt: str = "") -> None:
-    """One line, for a target no engine runs MTP modules for (for `--format speculators`, one
-    that speculators' MTP class is not built for: models/speculators_format.py)."""
+def check_export(folder: Path, fmt: str = "") -> None:
+    """One line, before any format is written, for a target no engine runs MTP modules for (for
+    `--format speculators`, one that speculators' MTP class is not built for)."""
     config = read_json(folder / "config.json")
     if fmt == "speculators":
-        from draftsmith.models.speculators_format import check_mtp_type
-
         check_mtp_type(config, f"{folder}/config.json")
         return
     if config.get("model_type") not in ENGINE_TYPES:
@@ -203,7 +205,7 @@ def _write_folder(tensors: dict, config_update: dict, target_dir: str | Path, ou
     return out_dir
 
 
-def load_any(path: str | Path, target) -> MTPDrafter:
+def read(path: str | Path, target) -> MTPDrafter:
     """MTP modules of a draftsmith run or target folder (its mtp/), of a DeepSeek-style folder
     (`model.layers.{N + k}`, `num_nextn_predict_layers`) or of a Qwen3-Next one (`mtp.*`), for `target`."""
     path = Path(path)
@@ -213,11 +215,9 @@ def load_any(path: str | Path, target) -> MTPDrafter:
     if not shipped:
         if found is None:
             mtp_dir(path)  # a model folder without MTP modules: says so in one line
-        layout, config = expect(path, "mtp")
+        layout, config = expect(path, METHOD)
     if layout == SPECULATORS:
-        from draftsmith.models.speculators_format import load
-
-        return load(path, "mtp", target)
+        return speculators.load(path, target, _read_speculators)
     # MTP modules are built from their target's own decoder layer and norms: against a target
     # of another family they cannot even be built (GPT-2 has no rms_norm_eps).
     family, theirs = config.get("model_type"), getattr(target.config, "model_type", None)
@@ -225,14 +225,48 @@ def load_any(path: str | Path, target) -> MTPDrafter:
         raise DraftsmithError(f"{path}: MTP modules of a {family} target, not of the {theirs} target given; "
                               "evaluate them against the target they extend")
     if layout == NATIVE:
-        return load_drafter(mtp_dir(path), "mtp", target)
+        return load_drafter(mtp_dir(path), METHOD, target)
     return load_shipped(path, config, target)
+
+
+def claim(path: Path, meta: dict) -> str | None:
+    """The layout of a folder no architecture names, where it holds MTP modules: a draftsmith
+    run or target with mtp/, or a DeepSeek-style target declaring num_nextn_predict_layers."""
+    if (path / MTP_DIR / "config.json").is_file():
+        return NATIVE
+    return DEEPSEEK_LAYOUT if meta.get("num_nextn_predict_layers") else None
+
+
+# What `eval --drafter mtp:DIR` reads, said when a folder holds none of it.
+EXPECTED = ("a draftsmith MTP run or target folder (with mtp/) or a DeepSeek-style target whose config.json has "
+            "num_nextn_predict_layers")
+
+
+def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | None = None) -> list[str]:
+    """What `draftsmith export` prints after writing `fmt`. The engine's model is the written
+    target folder itself; vLLM's `mtp` chains all K modules, SGLang's NextN (EAGLE) one. A
+    speculators folder of a Qwen3 target no engine serves (mtp_note says so)."""
+    from draftsmith.models.serve import SGLANG, chain, engine_args, printed, vllm_line
+
+    config = read_json(written / "config.json")
+    if fmt == "speculators":
+        return [mtp_note(written)]
+    trained = (config.get("draftsmith_mtp") or {}).get("modules_trained", 1)
+    notes = [note] if fmt == "sglang" and (note := sglang_note(trained)) else []
+    _, dtype, common = engine_args(written)
+    flags, d = chain(written, None)
+    if not flags:
+        return notes
+    lines = [vllm_line(shlex.quote(str(written)), dtype, {"method": METHOD, "num_speculative_tokens": d})]
+    if config.get("num_nextn_predict_layers") == 1:  # SGLang's NextN loads one module
+        lines.insert(0, f"{SGLANG} {common} --speculative-algorithm EAGLE {flags}")
+    return printed(notes, lines)
 
 
 def load_from_target(folder: str | Path, target) -> MTPDrafter:
     """`method.init: from_target`: the MTP modules the target's own folder carries (a draftsmith
     run's mtp/, or its family's engine layout, which transformers skips on load), read by
-    `load_any`; what is missing is one line naming the key."""
+    `read`; what is missing is one line naming the key."""
     folder = Path(folder)
     family = read_json(folder / "config.json").get("model_type")
     if not (folder / MTP_DIR).is_dir() and family not in ENGINE_TYPES:
@@ -240,7 +274,7 @@ def load_from_target(folder: str | Path, target) -> MTPDrafter:
                               "reads (DeepSeek-V3 style model.layers.{N+k} with num_nextn_predict_layers, Qwen3-Next "
                               "style mtp.*, or a draftsmith run's mtp/); use method.init=new")
     try:
-        return load_any(folder, target)
+        return read(folder, target)
     except DraftsmithError as exc:
         raise DraftsmithError(f"method.init=from_target: {exc}") from None
 
@@ -333,3 +367,85 @@ def _fuse_experts(state: dict) -> dict:
         except KeyError as missing:
             raise DraftsmithError(f"{prefix}: expert weights incomplete (missing {missing})") from None
     return out
+
+
+# ---------------------------------------------------------------- the speculators layout
+
+# transformer_layer_config model types whose MTP module speculators builds and we test against it
+# (qwen3_next and qwen3_5 are hybrid or multimodal: their MTP layer index differs, not written yet).
+MTP_TYPES = ("qwen3",)
+
+
+# speculators' MTP layer names -> DeepSeek's (our native names; the block keeps its own names)
+_MTP_NAMES = (("token_layernorm.", "enorm."), ("hidden_layernorm.", "hnorm."), ("input_proj.", "eh_proj."),
+              ("final_layernorm.", "shared_head.norm."))
+
+
+_MTP_PREFIX = "mtp_layers.0."
+
+
+def mtp_note(folder: str | Path) -> str:
+    """What a speculators MTP folder is for, and why a K-module run's holds module 1 alone."""
+    meta = read_json(Path(folder) / "config.json").get("draftsmith") or {}
+    trained = meta.get("modules_trained", 1)
+    kept = (f"wrote module 1 of {trained} (speculators' MTP holds one, chained for every draft, as mtp_nextn "
+            "drafts it here); " if trained > 1 else "")
+    if meta.get("chain_input", "hidden") != "normed":
+        kept += ("speculators chains the module on its normed output where this run trained DeepSeek's (the block's "
+                 "output): drafts past the first differ there (method.chain_input=normed trains its way); ")
+    return (kept + "speculators' MTPDraftModel reads this folder; vLLM serves speculators MTP folders only for "
+            "Qwen3-Next and MiMo verifiers, so no serve line for this target")
+
+
+def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """An MTP run's module 1 as speculators' `MTPDraftModel`, its verifier the run's target."""
+    from draftsmith.models.target import load_target
+
+    folder = Path(folder)
+    target_config = read_json(folder / "config.json")
+    check_mtp_type(target_config, f"{folder}/config.json")
+    target = load_target(folder)
+    heads = load_drafter(mtp_dir(folder), METHOD, target)
+    out_dtype = DTYPES[dtype] if dtype else config_dtype(target_config) or next(heads.parameters()).dtype
+    config = {
+        **speculators.header(METHOD, ["MTPDraftModel"], speculators.chain_drafts(folder), folder, out_dtype),
+        "transformer_layer_config": speculators.plain(target_config),
+        "num_nextn_predict_layers": 1,
+        "draftsmith": {"modules_trained": heads.num_depths, "modules_written": 1,
+                       "chain_input": getattr(heads.config, "chain_input", "hidden")},
+    }
+    module_one = {name.removeprefix("layers.0."): t for name, t in heads.native_state().items()
+                  if name.startswith("layers.0.")}  # DeepSeek's names, the block's unnested
+    weights = {_MTP_PREFIX + _renamed(name, ((ours, theirs) for theirs, ours in _MTP_NAMES)): t
+               for name, t in module_one.items()}
+    return speculators.write(out_dir, config, weights, out_dtype)
+
+
+def check_mtp_type(target_config: dict, source: str) -> None:
+    kind = target_config.get("model_type")
+    if kind not in MTP_TYPES:
+        raise DraftsmithError(f"{source}: the target is {kind}; speculators' MTP builds its module for "
+                              f"{', '.join(MTP_TYPES)} verifiers only (draftsmith writes the speculators MTP layout for "
+                              "those), so evaluate these MTP modules with eval --drafter mtp:RUN")
+
+
+def _read_speculators(meta, layer, weights, target, source):
+    if target is None:
+        raise DraftsmithError(f"{source}: reading MTP modules needs the target they extend")
+    check_mtp_type(layer, f"{source} transformer_layer_config")
+    if int(meta.get("num_nextn_predict_layers", 1)) != 1:
+        raise DraftsmithError(f"{source}: num_nextn_predict_layers {meta['num_nextn_predict_layers']}; speculators' "
+                              "MTP holds one module")
+    mine = target.config
+    if (layer.get("hidden_size"), layer.get("num_hidden_layers")) != (mine.hidden_size, mine.num_hidden_layers):
+        raise DraftsmithError(f"{source}: an MTP module of a target with {layer.get('num_hidden_layers')} layers of "
+                              f"width {layer.get('hidden_size')}; the target has {mine.num_hidden_layers} of width "
+                              f"{mine.hidden_size}")
+    # (the verifier's embedding and head, where a folder carries them, are not the module's)
+    state = {f"layers.0.{_renamed(name.removeprefix(_MTP_PREFIX), _MTP_NAMES)}": t
+             for name, t in weights.items() if name.startswith(_MTP_PREFIX)}
+    if not state:
+        raise DraftsmithError(f"{source}: no {_MTP_PREFIX}* tensors in model.safetensors")
+    # speculators chains the module on its normed output (core.py: mtp_output, after final_layernorm)
+    return MTPDrafter.from_native(MTPConfig(num_depths=1, chain_input="normed"), state, target,
+                                  source=source.removesuffix("/config.json"))

@@ -1,23 +1,5 @@
-"""DFlash and DSpark in the layouts other tools load, and back from any of them.
-
-Every layout below was read off its loader's source; the commits read are the ones named.
-
-z-lab DFlash (github.com/z-lab/dflash @ 44947fbf7111, dflash/model.py `DFlashDraftModel`;
-SpecForge's `DFlashDraftModel` @ a6b6b0230009, specforge/modeling/draft/dflash.py, reads
-the same). config.json is a Qwen3 config plus `architectures: ["DFlashDraftModel"]`,
-`block_size`, `num_target_layers`, `layer_types` (SpecForge checks one per layer) and
-`dflash_config: {target_layer_ids, mask_token_id, block_size}`; the readers take each key
-from dflash_config first. The z-lab checkpoints load through
-`AutoModel.from_pretrained(dir, trust_remote_code=True)`, so we add `auto_map` naming our
-own modeling file, `models/zlab_modeling.py`, copied beside the weights. Weights, no
-embedding or lm_head (the target's are used):
-
-    layers.{i}.self_attn.{q,k,v,o}_proj.weight   layers.{i}.self_attn.{q,k}_norm.weight
-    layers.{i}.mlp.{gate,up,down}_proj.weight     layers.{i}.{input,post_attention}_layernorm.weight
-    fc.weight [H, n*H_t]   hidden_norm.weight   norm.weight
-
-Layer id i is HF `hidden_states[i + 1]` in both, our convention: ids are written unchanged.
-Their fc is n * hidden_size wide; we also write `target_hidden_size` (our modeling file reads it).
+"""DSpark in the layouts other tools load, and back from any of them. DSpark is DFlash's
+backbone plus its heads, so the backbone's layout pieces are DFlash's (models/formats/dflash.py).
 
 SpecForge DSpark (@ a6b6b0230009, specforge/modeling/draft/dspark.py `DSparkDraftModel`,
 configs/qwen3-8b-dspark.json): the DFlash config with `architectures: ["DSparkDraftModel"]`
@@ -67,43 +49,48 @@ Settings no loader reads (decode threshold, block convention) go under a `drafts
 
 from __future__ import annotations
 
-import shutil
+import shlex
 import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
-from draftsmith.models import zlab_modeling
-from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
-from draftsmith.models.dspark import ANCHOR_IS_FIRST_PREDICTION, BLOCK_CONVENTIONS, DSparkConfig, DSparkDrafter
-from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype, target_dir_of
+from draftsmith.fsutil import read_json
+from draftsmith.models.dspark import (
+    ANCHOR_IS_CONTEXT,
+    ANCHOR_IS_FIRST_PREDICTION,
+    BLOCK_CONVENTIONS,
+    DSparkConfig,
+    DSparkDrafter,
+)
+from draftsmith.models.dtypes import target_dir_of
+from draftsmith.models.formats import speculators
+from draftsmith.models.formats.dflash import (
+    backbone_config,
+    backbone_fields,
+    block_dtype,
+    drafter_weights,
+    setting,
+    speculator_config,
+    speculator_fields,
+    write_folder,
+)
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
 from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
-DFLASH_ARCH = "DFlashDraftModel"
+METHOD = DSparkDrafter.method
 DSPARK_ARCH = "DSparkDraftModel"
 DEEPSPEC_ARCH = "Qwen3DSparkModel"
-MODELING_FILE = "modeling_draftsmith.py"  # models/zlab_modeling.py, as it is
 
 
-# ---------------------------------------------------------------- writing
-
-def export_zlab(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """A native DFlash folder in the z-lab layout (`draftsmith export --format zlab`)."""
-    drafter = load_drafter(folder, "dflash")
-    return export_dflash_zlab(drafter, out_dir, _dtype(folder, dtype, drafter))
-
-
-def export_specforge(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+def write_specforge(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """A native DSpark folder in SpecForge's layout (`draftsmith export --format specforge`)."""
-    drafter = load_drafter(folder, "dspark")
-    return export_dspark_specforge(drafter, out_dir, _dtype(folder, dtype, drafter))
+    drafter = load_drafter(folder, METHOD)
+    return export_dspark_specforge(drafter, out_dir, block_dtype(folder, dtype, drafter))
 
 
-def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | None = None,
+def write_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | None = None,
                         latency_table: str | Path | None = None) -> Path:
     """A native DSpark folder as `Qwen3DSparkModel` (`--format deepspec`, `sglang` or `vllm`:
     one folder all three load), with the embedding and head of the target it was trained
@@ -113,7 +100,7 @@ def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | No
     from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE, sps_table
     from draftsmith.models.target import load_target
 
-    drafter = load_drafter(folder, "dspark")
+    drafter = load_drafter(folder, METHOD)
     target_dir = target_dir_of(folder)
     if target_dir is None:
         raise DraftsmithError(f"{folder}/config.json: target {read_native_meta(folder).get('target')!r} not found; "
@@ -129,32 +116,19 @@ def export_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | No
         extras[STS_FILE] = calibration
     if latency_table is not None:
         extras[SPS_FILE] = sps_table(latency_table)
-    return export_dspark_deepspec(drafter, out_dir, load_target(target_dir), _dtype(folder, dtype, drafter), extras)
-
-
-def _dtype(folder, dtype: str | None, drafter) -> torch.dtype:
-
-    return export_dtype(folder, dtype, drafter.fc.weight.dtype)
-
-
-def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    if isinstance(drafter, DSparkDrafter):
-        raise DraftsmithError("export_dflash_zlab: this is a DSpark drafter (its block convention and heads "
-                              "would be lost); export it with export_dspark_specforge")
-    config = _backbone_config(drafter, DFLASH_ARCH, dtype)
-    return _write(out_dir, config, drafter.state_dict(), modeling=True)
+    return export_dspark_deepspec(drafter, out_dir, load_target(target_dir), block_dtype(folder, dtype, drafter), extras)
 
 
 def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
     c = _check_dspark(drafter, "SpecForge")
-    config = _backbone_config(drafter, DSPARK_ARCH, dtype)
+    config = backbone_config(drafter, DSPARK_ARCH, dtype)
     config["dflash_config"].update(
         projector_type="dspark", markov_rank=c.markov_rank, markov_head_type="vanilla",
         enable_confidence_head=True, confidence_head_with_markov=bool(c.markov_rank), confidence_head_alpha=c.bce_weight,
         attention_mode="mha" if c.num_kv_heads == c.num_heads else "gqa",
     )
     config["draftsmith"] = _our_settings(c)
-    return _write(out_dir, config, drafter.state_dict(), modeling=True)
+    return write_folder(out_dir, config, drafter.state_dict(), modeling=True)
 
 
 def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
@@ -169,7 +143,7 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
         if tuple(tensor.shape) != (c.vocab_size, c.hidden_size):
             raise DraftsmithError(f"the target's {name} has shape {tuple(tensor.shape)}; this drafter needs "
                                   f"({c.vocab_size}, {c.hidden_size}): it was trained for another target")
-    config = _backbone_config(drafter, DEEPSPEC_ARCH, dtype)
+    config = backbone_config(drafter, DEEPSPEC_ARCH, dtype)
     # DeepSpec, SGLang's DSpark and vLLM's Qwen3DSparkForCausalLM read these at the top level;
     # dflash_config (same values) stays for SGLang's DFlash base parser and vLLM's layer ids.
     config.update(
@@ -177,12 +151,13 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
         markov_rank=c.markov_rank, markov_head_type="vanilla",
         enable_confidence_head=True, confidence_head_with_markov=bool(c.markov_rank), draftsmith=_our_settings(c),
     )
-    return _write(out_dir, config, {**drafter.state_dict(), **shared}, extras=extras)
+    return write_folder(out_dir, config, {**drafter.state_dict(), **shared}, extras=extras)
 
 
 def _check_dspark(drafter, tool: str) -> DSparkConfig:
-    if not isinstance(drafter, DSparkDrafter):
-        raise DraftsmithError(f"{tool} DSpark export: this is a DFlash drafter; export it with export_dflash_zlab")
+    if drafter.method != METHOD:
+        raise DraftsmithError(f"{tool} DSpark export: this is a {drafter.method} drafter; export it with its own "
+                              "formats")
     c = drafter.config
     if c.block_convention != ANCHOR_IS_FIRST_PREDICTION:
         raise DraftsmithError(f"{tool} DSpark export: block_convention {c.block_convention!r}; {tool} reads slot k "
@@ -200,78 +175,12 @@ def _our_settings(c: DSparkConfig) -> dict:
                                         f"{c.drafts_per_block} drafts; slot k predicts the token at anchor + k + 1"}
 
 
-def _backbone_config(drafter: DFlashDrafter, arch: str, dtype: torch.dtype | None = None) -> dict:
-    c = drafter.config
-    qwen3 = c.qwen3_config().to_diff_dict()
-    qwen3["rope_theta"] = float(c.rope_theta)  # transformers < 5 reads it at the top level
-    name = str(dtype or drafter.fc.weight.dtype).removeprefix("torch.")
-    return {
-        "architectures": [arch], **qwen3, "model_type": "qwen3",
-        "dtype": name, "torch_dtype": name,  # transformers 5's name, and the one the engines' --dtype auto reads
-        "layer_types": list(c.layer_types),
-        "target_hidden_size": c.target_hidden_size,
-        "block_size": c.block_size,
-        "num_target_layers": c.num_target_layers,
-        "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": c.mask_token_id,
-                          "block_size": c.block_size, **_window_keys(c)},
-        **({"sliding_window": c.sliding_window, "use_sliding_window": True} if c.sliding_window else {}),
-    }
-
-
-def _window_keys(c: DFlashConfig) -> dict:
-    """dflash_config's sliding-window keys as vLLM's DFlash reads them (qwen3_dflash.py
-    `_resolve_layer_attention`, @ 036a00d1f5d0): the window (`swa_window_size`) and `causal:
-    false`, since vLLM otherwise makes every sliding layer causal inside the block, where ours
-    (and the layer_types' full layers) see the whole block."""
-    return {"swa_window_size": c.sliding_window, "causal": False} if c.sliding_window else {}
-
-
-def _write(out_dir, config: dict, state: dict, modeling: bool = False, extras: dict | None = None) -> Path:
-    """`modeling`: our modeling file goes beside the weights, and `auto_map` points
-    AutoModel at the config's architecture in it; `extras`: JSON files written beside them."""
-
-    out_dir = Path(out_dir)
-    if modeling:
-        config = {**config, "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{config['architectures'][0]}"}}
-    tensors = cast_floats(state, DTYPES[config["dtype"]])  # each its own copy: a tied embedding and head too
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-        for name, data in (extras or {}).items():
-            write_json(tmp / name, data)
-        if modeling:
-            shutil.copyfile(zlab_modeling.__file__, tmp / MODELING_FILE)
-    return out_dir
-
-
-# ---------------------------------------------------------------- reading
-
-def load_any(path: str | Path, method: str = "dflash", target=None) -> DFlashDrafter:
-    """A DFlash or DSpark drafter from any layout we write (native, z-lab, SpecForge,
-    DeepSpec, speculators), told apart by config.json. A folder of another method, a layout we do not
-    know, a missing weight, or (with `target`) stored target weights of the wrong shape
-    are refused in one line."""
-    layout, meta = expect(path, method)
-    if layout == NATIVE:
-        return load_drafter(path, method)
-    if layout == SPECULATORS:
-        from draftsmith.models.speculators_format import load
-
-        return load(path, method, target)
-    weights = load_native_weights(path)
-    if method == "dflash":
-        return DFlashDrafter.from_native(DFlashConfig(**_backbone_fields(meta, path)), weights, source=str(path))
-    if layout == "deepspec":
-        _drop_target_copies(weights, target, path)
-    return DSparkDrafter.from_native(_dspark_config(meta, path), weights, source=str(path))
-
-
 def _dspark_config(meta: dict, path) -> DSparkConfig:
-    setting = lambda key, default=None: _key(meta, key, path, default)  # noqa: E731
-    rank = int(setting("markov_rank", 0) or 0)
+    key = lambda name, default=None: setting(meta, name, path, default)  # noqa: E731
+    rank = int(key("markov_rank", 0) or 0)
     # markov_rank 0 (DeepSpec's DFlash): no refiner, the confidence head on h alone.
-    if (setting("markov_head_type", "vanilla") != "vanilla" or not setting("enable_confidence_head", True)
-            or bool(setting("confidence_head_with_markov", bool(rank))) != bool(rank)):
+    if (key("markov_head_type", "vanilla") != "vanilla" or not key("enable_confidence_head", True)
+            or bool(key("confidence_head_with_markov", bool(rank))) != bool(rank)):
         raise DraftsmithError(f"{path}/config.json: only DSpark with a vanilla Markov head and a confidence head on "
                               "[h; W1[x]] (or, with markov_rank 0, on h) is supported")
     ours = meta.get("draftsmith") or meta.get("dspark_config") or {}
@@ -281,7 +190,7 @@ def _dspark_config(meta: dict, path) -> DSparkConfig:
             f"{path}/config.json: block_convention {convention!r} is not one of {', '.join(BLOCK_CONVENTIONS)}"
         )
     return DSparkConfig(
-        **_backbone_fields(meta, path), markov_rank=rank, block_convention=convention,
+        **backbone_fields(meta, path), markov_rank=rank, block_convention=convention,
         num_anchors=ours.get("num_anchors", meta.get("num_anchors", DSparkConfig.num_anchors)),
         confidence_threshold=ours.get("confidence_threshold", DSparkConfig.confidence_threshold),
     )
@@ -310,49 +219,81 @@ def _drop_target_copies(weights: dict, target, path) -> None:
             warnings.warn(f"{path}: {name} differs from the target's; drafting uses the target's", stacklevel=3)
 
 
-_REQUIRED = object()
+def read(path: str | Path, target=None) -> DSparkDrafter:
+    """A DSpark drafter from any layout we write (native, SpecForge, DeepSpec, speculators),
+    told apart by config.json. A folder of another method, a layout we do not know, a missing
+    weight, or (with `target`) stored target weights of the wrong shape are refused in one line."""
+    layout, meta = expect(path, METHOD)
+    if layout == NATIVE:
+        return load_drafter(path, METHOD)
+    if layout == SPECULATORS:
+        return speculators.load(path, target, _read_speculators)
+    weights = load_native_weights(path)
+    if layout == "deepspec":
+        _drop_target_copies(weights, target, path)
+    return DSparkDrafter.from_native(_dspark_config(meta, path), weights, source=str(path))
 
 
-def _key(meta: dict, key: str, path, default=_REQUIRED):
-    """A setting from `dflash_config` (SpecForge, z-lab) or the top level (DeepSpec)."""
-    value = (meta.get("dflash_config") or {}).get(key, meta.get(key))
-    if value is None:
-        if default is _REQUIRED:
-            raise DraftsmithError(f"{path}/config.json: no {key}")
-        return default
-    return value
+def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | None = None) -> list[str]:
+    """What `draftsmith export` prints after writing `fmt`. The Qwen3DSparkModel folder (anchor
+    first, B inputs give B drafts): SGLang's gamma is B and its draft tokens B + 1, with the
+    confidence calibration and the cost table the export wrote beside the weights; vLLM's
+    `num_speculative_tokens` must equal B. SpecForge's training layout no engine serves."""
+    from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line
+
+    target = target_dir_of(folder)
+    if fmt == "speculators":
+        return speculators.serve(written, target)
+    if fmt == "specforge":
+        return ["SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
+                "load --format sglang|vllm (Qwen3DSparkModel) instead"]
+    config = read_json(written / "config.json")
+    block = block_size(config)
+    if target is None or block is None:
+        return []
+    model, dtype, common = engine_args(target)
+    out = str(written)
+    return printed([], [f"{SGLANG} {common} --speculative-algorithm DSPARK --speculative-draft-model-path "
+                        f"{shlex.quote(out)} --speculative-num-draft-tokens {block + 1}" + _calibration_flags(written),
+                        vllm_line(model, dtype, {"method": METHOD, "model": out, "num_speculative_tokens": block})])
 
 
-def _backbone_fields(meta: dict, path) -> dict:
-    heads = _key(meta, "num_attention_heads", path)
-    hidden = _key(meta, "hidden_size", path)
-    rope = meta.get("rope_parameters") or {}
-    return dict(
-        hidden_size=hidden, target_hidden_size=meta.get("target_hidden_size", hidden),
-        num_target_layers=_key(meta, "num_target_layers", path), vocab_size=_key(meta, "vocab_size", path),
-        num_layers=_key(meta, "num_hidden_layers", path), num_heads=heads,
-        num_kv_heads=meta.get("num_key_value_heads") or heads, head_dim=meta.get("head_dim") or hidden // heads,
-        intermediate_size=_key(meta, "intermediate_size", path), rms_norm_eps=meta.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", meta.get("rope_theta", 10000.0)),
-        max_position_embeddings=meta.get("max_position_embeddings", 32768),
-        block_size=_key(meta, "block_size", path), allow_large_block=True,  # sized when it was trained
-        # Absent: what z-lab and SpecForge read then, one layer per drafter layer spread their way.
-        target_layer_ids=_key(meta, "target_layer_ids", path, None) or reference_layer_ids(
-            _key(meta, "num_target_layers", path), _key(meta, "num_hidden_layers", path)),
-        mask_token_id=_key(meta, "mask_token_id", path),
-        **_window_fields(meta, path),
-    )
+def _calibration_flags(folder: Path) -> str:
+    """SGLang's DSpark calibration flags for the files the export wrote (models/dspark_calibration.py)."""
+    from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE
+
+    flags = (("--speculative-dspark-confidence-sts-path", STS_FILE), ("--speculative-dspark-sps-table-path", SPS_FILE))
+    return "".join(f" {flag} {shlex.quote(str(folder / name))}" for flag, name in flags if (folder / name).is_file())
 
 
-def _window_fields(meta: dict, path) -> dict:
-    """Sliding-window layers as the engines read them: layer_types, the window from
-    dflash_config.swa_window_size or the top-level sliding_window; a layout whose sliding
-    layers are causal inside the block (vLLM's default for them) is not what we draft."""
-    types = meta.get("layer_types")
-    window = _key(meta, "swa_window_size", path, None) or meta.get("sliding_window") or 0
-    if not types or "sliding_attention" not in types:
-        return {}
-    if (meta.get("dflash_config") or {}).get("causal", True) or meta.get("is_causal"):
-        raise DraftsmithError(f"{path}/config.json: sliding-window layers causal inside the block (set "
-                              "dflash_config.causal false for block-bidirectional ones): not a drafter draftsmith runs")
-    return {"layer_types": list(types), "sliding_window": int(window)}
+# ---------------------------------------------------------------- the speculators layout
+
+def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """A native DSpark folder as speculators' `DSparkSpeculator`, either block convention,
+    `sample_from_anchor` stating which."""
+    drafter = load_drafter(folder, METHOD)
+    c = drafter.config
+    config, out_dtype = speculator_config(drafter, Path(folder), dtype, ["DSparkSpeculator"],
+                                          anchor_first=c.block_convention == ANCHOR_IS_FIRST_PREDICTION)
+    config.update(markov_rank=c.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
+                  confidence_head_with_markov=bool(c.markov_rank))
+    config["draftsmith"].update(block_convention=c.block_convention, confidence_threshold=c.confidence_threshold)
+    return speculators.write(out_dir, config, drafter.state_dict(), out_dtype)
+
+
+def _read_speculators(meta, layer, weights, target, source):
+    fields = speculator_fields(meta, layer, target, source)
+    ours = meta.get("draftsmith") or {}
+    anchor_first = bool(meta["sample_from_anchor"])
+    rank = int(meta.get("markov_rank") or 0)
+    if (meta.get("markov_head_type", "vanilla") != "vanilla" or not meta.get("enable_confidence_head", True)
+            or bool(meta.get("confidence_head_with_markov", bool(rank))) != bool(rank)):
+        raise DraftsmithError(f"{source}: only DSpark with a vanilla Markov head and a confidence head on [h; W1[x]] "
+                              "(or, with markov_rank 0, on h) is supported")
+    convention = ANCHOR_IS_FIRST_PREDICTION if anchor_first else ANCHOR_IS_CONTEXT
+    if ours.get("block_convention", convention) != convention:
+        raise DraftsmithError(f"{source}: sample_from_anchor {anchor_first} contradicts draftsmith.block_convention "
+                              f"{ours['block_convention']!r}")
+    config = DSparkConfig(**fields, markov_rank=rank, block_convention=convention,
+                          confidence_threshold=ours.get("confidence_threshold", DSparkConfig.confidence_threshold))
+    return DSparkDrafter.from_native(config, drafter_weights(weights), source=source.removesuffix("/config.json"))

@@ -1,0 +1,15 @@
+"""Each method's formats: one module per method that has a trained drafter to read or write
+(`models/formats/<method>.py`), named by its registry entry (`MethodSpec.formats`), plus the
+layouts several methods share (`speculators.py`, vLLM's speculators library).
+
+A method's formats module is the only code that knows its layouts. It offers:
+- `read(path, target) -> drafter`: the drafter from every layout it is read from (draftsmith's
+  native folder, the engines', other trainers'), told apart by `models/layouts.py`;
+- its writers, `write_<format>(folder, out_dir, dtype=None)`, each named in the entry's
+  `exports` (the `--format` choices, known without importing this module);
+- `serve(folder, written, fmt, latency_table=None) -> list[str]`: what `draftsmith export`
+  prints after writing `fmt`: notes, then the engine's serve lines (models/serve.py's pieces);
+- optionally `check_export(folder, fmt)` (refuse before any format is written), `claim(path,
+  meta) -> layout | None` (a folder no architecture names) and `EXPECTED` (what a folder it
+  reads holds, said when a folder holds none of it).
+"""
