@@ -19,7 +19,8 @@ import yaml
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import divides, finite, option, seed
-from draftsmith.registry import METHODS, config_class
+from draftsmith.registry import METHODS, config_class, trainable
+from draftsmith.sampling_params import SamplingParams
 
 
 @dataclass
@@ -139,7 +140,12 @@ class EvalSection:
     top_k: int = option(0, "eval: sample from the k likeliest tokens only (0: all)")
     top_p: float = option(1.0, "eval: sample from the smallest set of tokens of mass p (1: all)")
     seed: int = option(0, "eval: seed of the sampled decodes")
-    num_draft: int | None = option(None, "eval: drafts per verify (null: the tile rule's D)")
+    num_draft: int | None = option(None, "eval: drafts per verify (null: the tile rule's D; on the command line: tile)")
+
+    def sampling(self, temperature: float | None = None) -> SamplingParams:
+        """How eval draws a token at `temperature` (None: this section's); SamplingParams holds
+        the one rule for these values, for a recipe's section and for eval's flags alike."""
+        return SamplingParams(self.temperature if temperature is None else temperature, self.top_k, self.top_p)
 
 
 @dataclass
@@ -153,12 +159,8 @@ class TrackingSection:
 
 @dataclass
 class MethodSection:
-    name: str = option("mtp", "the drafter to train; the section's other keys are its config's fields")
+    name: str = option("", "the drafter to train (a registered method); the section's other keys are its config's fields")
     params: dict[str, Any] = option({}, "only the keys the recipe set (the config derives the rest)")
-
-    def build_config(self, **derived):
-        """The drafter config: derived values (from the target) overridden by the recipe."""
-        return config_class(self.name)(**{**derived, **self.params})
 
 
 @dataclass
@@ -258,6 +260,11 @@ def _build_method(data: dict) -> MethodSection:
     name = data.pop("name", MethodSection.name)
     if not isinstance(name, str):
         raise DraftsmithError(f"method.name: expected str, got {name!r}")
+    if not name:  # no drafter named: nothing to configure yet (training asks for one, registry.method_spec)
+        if data:
+            raise DraftsmithError(f"method.{next(iter(data))}: unknown key (method.name is not set: name the drafter "
+                                  f"first, one of {', '.join(trainable())})")
+        return MethodSection()
     cls = config_class(name)
     typed = _build(cls, data, "method")  # validates every key and type
     return MethodSection(name=name, params={k: getattr(typed, k) for k in data})
@@ -405,7 +412,7 @@ def validate(recipe: Recipe) -> None:
         divides(vars(target), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
                 prefix="target")
     # The method's own shape rules, where its config declares them (models/<method>.py: check_params).
-    check = getattr(config_class(recipe.method.name), "check_params", None)
+    check = getattr(config_class(recipe.method.name), "check_params", None) if recipe.method.name else None
     if check is not None:
         check(recipe.method.params, seq_len=t.seq_len)
     if t.keep_checkpoints == 1:  # a failed save must leave the previous checkpoint behind
@@ -422,9 +429,10 @@ def validate(recipe: Recipe) -> None:
                               f"got {t.mixed_precision!r}")
     seed(t.seed, "train.seed")
     seed(recipe.eval.seed, "eval.seed")
-    if recipe.eval.top_k < 0 or not 0 < recipe.eval.top_p <= 1:
-        raise DraftsmithError(f"eval.top_k ({recipe.eval.top_k}) must not be negative and eval.top_p "
-                              f"({recipe.eval.top_p}) must be in (0, 1]")
+    try:
+        recipe.eval.sampling()
+    except DraftsmithError as exc:
+        raise DraftsmithError(f"eval: {exc}") from None
     if t.max_steps and t.num_epochs:
         raise DraftsmithError(f"train.max_steps={t.max_steps} and train.num_epochs={t.num_epochs} both set the "
                               "run's length: set one (train.max_steps=0 to train by epochs)")

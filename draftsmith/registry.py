@@ -193,6 +193,8 @@ def import_ref(ref: str, what: str) -> Any:
 def method_spec(name: str, need: str = "") -> MethodSpec:
     """The spec of `name`; with `need` ("config", "training", ...), one whose field is set."""
     known = [n for n, s in METHODS.items() if not need or getattr(s, need)]
+    if not name:
+        raise DraftsmithError(f"method.name: not set; name the drafter ({', '.join(known)})")
     if name not in known:
         raise DraftsmithError(f"method.name: unknown method {name!r} (known: {', '.join(known)})")
     return METHODS[name]

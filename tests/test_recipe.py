@@ -51,7 +51,6 @@ def test_yaml_sets_only_what_differs_and_overrides_win(tmp_path):
     assert recipe.train.lr == 0.25 and recipe.train.max_steps == 7
     assert recipe.train.batch_size == 8  # default untouched
     assert recipe.method.params == {"num_depths": 4}
-    assert recipe.method.build_config().num_depths == 4
     assert recipe.tracking.report_to == "none"
 
 
@@ -61,7 +60,8 @@ def test_yaml_sets_only_what_differs_and_overrides_win(tmp_path):
     ("train.lr=fast", "train.lr: expected float, got 'fast'"),
     ("train.max_steps=1.5", "train.max_steps: expected int, got 1.5"),
     ("train.resume=3", "train.resume: expected bool | str"),
-    ("method.num_depthz=2", "method.num_depthz: unknown key"),
+    ("method.num_depthz=2", "method.num_depthz: unknown key (method.name is not set"),
+    ("method.name=mtp method.num_depthz=2", "method.num_depthz: unknown key"),
     ("method.name=medusa", "method.name: unknown method 'medusa'"),
     ("train=3", "train: expected a mapping"),
     ("nokey", "expected key.sub=value"),
@@ -69,7 +69,7 @@ def test_yaml_sets_only_what_differs_and_overrides_win(tmp_path):
 ])
 def test_bad_keys_and_types_name_the_full_path(override, message):
     with pytest.raises(DraftsmithError) as err:
-        load_recipe(None, [override])
+        load_recipe(None, override.split())
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 

@@ -86,3 +86,42 @@ def test_the_registry_refuses_a_name_registered_twice():
     with pytest.raises(ValueError, match="the name 'eagle3_tree' is registered twice"):  # a variant's name too
         method_table(eagle3, dataclasses.replace(METHODS["dflash"], variants={"eagle3_tree": {}}))
     assert list(method_table(*METHODS.values())) == list(METHODS)
+
+
+@pytest.mark.parametrize("name", [n for n, s in METHODS.items() if s.formats])
+def test_a_formats_module_offers_what_export_eval_and_serve_call(name):
+    spec = METHODS[name]
+    assert list(inspect.signature(spec.face("read")).parameters)[:2] == ["path", "target"]
+    assert list(inspect.signature(spec.face("serve")).parameters) == ["folder", "written", "fmt", "latency_table"]
+    for fmt, ref in spec.exports.items():  # the engine layouts are written by the method's own formats
+        assert fmt == "native" or ref.startswith(spec.formats + ":"), f"{name}: --format {fmt} is written by {ref}"
+    with pytest.raises(DraftsmithError, match=f"method {name!r}: its formats offer no 'nothing_here'"):
+        spec.face("nothing_here")
+
+
+# The files that hold a method: only these may name it (a DSpark drafter's files may name its
+# DFlash backbone, which they build on), and only the registry names every method.
+def _own_files(name: str) -> set[str]:
+    return {f"models/{name}.py", f"models/formats/{name}.py", f"train/{name}.py", f"eval/proposers/{name}.py"}
+
+
+def test_no_shared_code_names_a_method():
+    import ast
+
+    names = {variant: spec.name for spec in METHODS.values() for variant in (spec.name, *spec.variants)}
+    backbone = {"dspark": {"dflash"}}  # DSpark is DFlash's backbone plus its heads
+    found = []
+    for folder in ("draftsmith", "models", "train", "data", "eval"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            if where == "draftsmith/registry.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                method = names.get(node.value) if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+                if method is None:
+                    continue
+                owners = {m for m in METHODS if where in _own_files(m)}
+                if method in owners or any(method in backbone.get(o, ()) for o in owners):
+                    continue
+                found.append(f"{where}:{node.lineno} names {node.value!r}")
+    assert not found, "shared code names a method (reach it through its MethodSpec): " + "; ".join(found)

@@ -256,14 +256,14 @@ def load_eagle3_export(path: str | Path, target: nn.Module) -> Eagle3Drafter:
 def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
     """A native EAGLE-3 folder as speculators' `Eagle3Speculator` (one Llama layer)."""
     folder = Path(folder)
-    meta = read_native_meta(folder, expect_method="eagle3")
+    meta = read_native_meta(folder, expect_method=METHOD)
     c = config_from_dict(Eagle3Config, meta["config"], source=f"{folder}/config.json").derive()
     target = speculators.target_dir(folder)
     state = load_native_weights(folder)
     out_dtype = export_dtype(folder, dtype, state["fc.weight"].dtype)
     layer = {**c.llama_config().to_diff_dict(), "model_type": "llama", **window_keys(c.sliding_window)}
     config = {
-        **speculators.header("eagle3", ["Eagle3Speculator"], speculators.chain_drafts(target), target, out_dtype),
+        **speculators.header(METHOD, ["Eagle3Speculator"], speculators.chain_drafts(target), target, out_dtype),
         "transformer_layer_config": speculators.plain(layer),
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
