@@ -179,6 +179,19 @@ METHODS: dict[str, MethodSpec] = method_table(
 )
 
 
+def register(spec: MethodSpec) -> None:
+    """Add a method at run time (a plugin, or a test's throwaway method); a name already taken
+    is refused as in METHODS. Every table is derived from METHODS when it is read, so the
+    method is then known to recipes, training, eval, export and the CLI alike."""
+    table = method_table(*METHODS.values(), spec)
+    METHODS.clear()
+    METHODS.update(table)
+
+
+def unregister(name: str) -> None:
+    METHODS.pop(name)
+
+
 def import_ref(ref: str, what: str) -> Any:
     """Import a registry string, "module:attribute" (or "module"); a module missing from this
     build is one line."""

@@ -125,3 +125,45 @@ def test_no_shared_code_names_a_method():
                     continue
                 found.append(f"{where}:{node.lineno} names {node.value!r}")
     assert not found, "shared code names a method (reach it through its MethodSpec): " + "; ".join(found)
+
+
+def test_a_seventh_method_is_its_files_and_one_entry(tmp_path, capsys):
+    """design.md's "Adding a method", checked: a method written in one file (tests/seventh_method.py)
+    and registered in this process trains, is evaluated losslessly, exports to its own layout,
+    prints its serve line, and reads back from that layout, with no shared code changed."""
+    import json
+
+    import torch
+
+    import seventh_method
+    from chat_fixtures import save_tiny_chat_target
+    from draftsmith.cli import main
+    from draftsmith.registry import register, unregister
+    from tiny_runs import overrides
+
+    target, run, toy = tmp_path / "target", tmp_path / "run", tmp_path / "toy"
+    save_tiny_chat_target("qwen3", target)
+    recipe = tmp_path / "bigram.yaml"
+    recipe.write_text("method:\n  name: bigram\n  init_std: 0.5\n")
+    register(seventh_method.SPEC)
+    try:
+        with pytest.raises(ValueError, match="registered twice"):
+            register(seventh_method.SPEC)
+        assert main(["train", str(recipe), *overrides(run, target__path=target, train__max_steps=4)]) == 0
+        assert (run / "model" / "config.json").is_file()
+        for drafter in (f"bigram:{run}", "ngram"):  # greedy eval checks every drafter's output is the target's
+            assert main(["eval", "--target", str(target), "--drafter", drafter, "--out", str(tmp_path / drafter[:6]),
+                         "--num-prompts", "2", "--max-new-tokens", "12", "--num-draft", "3"]) == 0
+        row = json.loads((tmp_path / "bigram" / "report.json").read_text())["drafters"][0]
+        assert (row["name"], row["num_draft"]) == ("bigram", 3) and row["committed_tokens"] > 0
+        capsys.readouterr()
+        assert main(["export", str(run), "--format", "toy", "--out", str(toy)]) == 0
+        printed = capsys.readouterr().out
+        assert "toy-engine serve --draft" in printed and "a toy layout of" in printed
+        back, trained = seventh_method.read(toy), seventh_method.read(run / "model")
+        assert torch.equal(back.table, trained.table)
+        assert main(["eval", "--target", str(target), "--drafter", f"bigram:{toy}", "--out", str(tmp_path / "e2"),
+                     "--num-prompts", "1", "--max-new-tokens", "8", "--num-draft", "3"]) == 0
+    finally:
+        unregister("bigram")
+    assert "bigram" not in METHODS
