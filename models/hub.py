@@ -65,19 +65,19 @@ def hub_snapshot(repo_id: str, repo_type: str = "model", what: str = "model", do
                               f"{first_lines(exc, 1)}") from None
 
 
-def dataset_source(spec: str) -> str:
+def dataset_source(name: str) -> str:
     """Where `datasets` should read a dataset from: a local path as given; a hub name from
     its snapshot in the Hugging Face cache when there is one (`datasets` alone does not look
     there offline); else the name, for `datasets` to fetch online. Offline and not cached:
     one line."""
     from huggingface_hub import constants
 
-    if not looks_like_repo_id(spec):
-        return spec
-    snapshot = cached_snapshot(spec, repo_type="dataset")
+    if not looks_like_repo_id(name):
+        return name
+    snapshot = cached_snapshot(name, repo_type="dataset")
     if snapshot is not None:
         return str(snapshot)
     if offline():
-        raise DraftsmithError(f"dataset {spec}: not a local path, and not in the Hugging Face cache "
+        raise DraftsmithError(f"dataset {name}: not a local path, and not in the Hugging Face cache "
                               f"({constants.HF_HUB_CACHE}); offline (HF_HUB_OFFLINE)")
-    return spec
+    return name

@@ -346,27 +346,27 @@ def format_table(table: dict) -> str:
 
 # ---- `draftsmith plan TARGET --measure` ---------------------------------------------------
 
-def load_measured_target(spec: str, device):
+def load_measured_target(source: str, device):
     """The target as eval loads it (models/target.py: load_target, dtype and attention from
     its config); a config.json alone gives random weights of that shape, which time the same."""
     import torch
 
     from draftsmith.models.target import find_model_dir, freeze, load_target
 
-    path = Path(spec)
+    path = Path(source)
     if path.is_file():
         from transformers import AutoConfig, AutoModelForCausalLM
 
         try:
             config = AutoConfig.from_pretrained(str(path))
         except Exception as exc:  # a foreign or broken config: the user's file
-            raise DraftsmithError(f"{spec}: cannot read it as a transformers config ({exc})") from None
+            raise DraftsmithError(f"{source}: cannot read it as a transformers config ({exc})") from None
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         return freeze(model.eval())
-    return load_target(find_model_dir(spec, require="target"), device=device)
+    return load_target(find_model_dir(source, require="target"), device=device)
 
 
 def measure_command(target: str, tile: int, tp: int, out: str, contexts=None, max_draft: int | None = None,

@@ -69,5 +69,5 @@ def window_flag(config: dict) -> str:
     return f" --speculative-draft-window-size {int(config['sliding_window'])}"
 
 
-def vllm_line(model: str, dtype: str, spec: dict) -> str:
-    return f"vllm serve {model} --dtype {dtype} --speculative-config {shlex.quote(json.dumps(spec))}"
+def vllm_line(model: str, dtype: str, speculative_config: dict) -> str:
+    return f"vllm serve {model} --dtype {dtype} --speculative-config {shlex.quote(json.dumps(speculative_config))}"

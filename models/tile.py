@@ -108,28 +108,28 @@ def kv_heads(config: dict, heads: int) -> int:
 # FlashInfer 128; FA3 at head_dim <= 96 192; 256 on the widest configurations.
 COMMON_TILES = (64, 128, 192, 256)
 
-def read_target_config(spec: str | Path) -> dict:
-    """The attention fields of a target: `spec` is a model folder, a config.json, or a hub
+def read_target_config(source: str | Path) -> dict:
+    """The attention fields of a target: `source` is a model folder, a config.json, or a hub
     name (its config.json from the Hugging Face cache, or downloaded alone when online), or
     a GGUF file (that of the folder it converts into, models/gguf.py)."""
     from draftsmith.models.gguf import gguf_folder
 
-    path = gguf_folder(spec) or Path(spec)
+    path = gguf_folder(source) or Path(source)
     if path.is_dir():
         config = read_json(path / "config.json")
     elif path.is_file():
         config = read_json(path)
     else:
-        config = _cached_hub_config(str(spec))
+        config = _cached_hub_config(str(source))
     if not isinstance(config, dict):
-        raise DraftsmithError(f"{spec}: config is not a JSON object")
+        raise DraftsmithError(f"{source}: config is not a JSON object")
     # Multimodal configs (Llava, Gemma 3, Llama 4, ...) keep the language model's
     # attention fields under `text_config`.
     if not has_heads(config) and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
     if not has_heads(config):
         raise DraftsmithError(
-            f"{spec}: config has no num_attention_heads (nor text_config.num_attention_heads)"
+            f"{source}: config has no num_attention_heads (nor text_config.num_attention_heads)"
         )
     return config
 

@@ -181,11 +181,11 @@ def serve_line(out: str, config: dict, target) -> str:
     from draftsmith.models.serve import engine_args, vllm_line
 
     _, dtype, _ = engine_args(target)
-    spec = config["speculators_config"]
-    if is_hub_name(spec["verifier"]["name_or_path"]):
+    header = config["speculators_config"]
+    if is_hub_name(header["verifier"]["name_or_path"]):
         return f"vllm serve {shlex.quote(out)} --dtype {dtype}"
     return vllm_line(shlex.quote(str(target)), dtype, {"method": config["speculators_model_type"], "model": out,
-                                                       "num_speculative_tokens": spec["proposal_methods"][0][
+                                                       "num_speculative_tokens": header["proposal_methods"][0][
                                                            "speculative_tokens"]})
 
 
