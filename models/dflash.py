@@ -433,6 +433,7 @@ class DFlashDrafter(nn.Module):
     """Parameter names follow the z-lab reference (layers.i.*, fc, hidden_norm, norm)."""
 
     method = "dflash"
+    config_class = DFlashConfig
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -450,6 +451,12 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):  # the transformers initialisation (std 0.02)
                 nn.init.normal_(module.weight, std=0.02)
+
+    @classmethod
+    def from_target(cls, target, tile: int = 128, **overrides) -> "DFlashDrafter":
+        """A fresh drafter for `target` (a model or its config), sized by its config's
+        `from_target` (the tile rule's `tile`); `overrides`, the recipe's keys, win."""
+        return cls(cls.config_class.from_target(getattr(target, "config", target), tile=tile, **overrides))
 
     def native_state(self) -> dict[str, torch.Tensor]:
         return self.state_dict()  # no embedding or head of its own: the state is the file

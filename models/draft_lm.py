@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import divides, option, positive
+from draftsmith.models.target import build_tiny_target
 
 
 @dataclass
@@ -38,6 +40,23 @@ class DraftLMConfig:
         divides(values, "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads")
         if not values["distill_temperature"] > 0:
             raise DraftsmithError(f"method.distill_temperature: must be positive, got {values['distill_temperature']}")
+
+
+class DraftLM:
+    """The draft model's constructor; the model itself is a transformers causal LM (saved as one)."""
+
+    @classmethod
+    def from_target(cls, tokenizer, arch: str, max_position_embeddings: int, seed: int, **overrides) -> nn.Module:
+        """A fresh draft LM on the target's tokenizer (its vocabulary and special tokens), of the
+        target section's architecture family and positions; `overrides` are DraftLMConfig keys
+        (the recipe's method section). `seed` alone decides its initial weights."""
+        c = DraftLMConfig(**overrides)
+        return build_tiny_target(
+            seed=seed, arch=arch, vocab_size=len(tokenizer), num_layers=c.num_layers, hidden_size=c.hidden_size,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, intermediate_size=c.intermediate_size or None,
+            max_position_embeddings=max_position_embeddings, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        )
 
 
 def distill_kl(draft_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor,

@@ -42,11 +42,14 @@ from draftsmith.fields import option, positive
 from draftsmith.models.dflash import (
     DFlashConfig,
     DFlashDrafter,
+    check_target,
     draft_reduction,
     greedy_metrics,
     position_means,
     weighted_mean,
 )
+from draftsmith.models.native import load_drafter
+from draftsmith.models.target import find_model_dir
 
 ANCHOR_IS_FIRST_PREDICTION = "anchor_is_first_prediction"  # DSpark's own: B inputs, B drafts
 ANCHOR_IS_CONTEXT = "anchor_is_context"  # DFlash's: B inputs, B - 1 drafts (a frozen DFlash backbone)
@@ -94,6 +97,16 @@ class DSparkConfig(DFlashConfig):
         return super().derive()
 
 
+def dflash_backbone(backbone: str, target) -> DFlashDrafter:
+    """The trained DFlash drafter at `backbone` (a run or native folder), checked against `target`."""
+    dflash = load_drafter(find_model_dir(backbone), DFlashDrafter.method)
+    try:
+        check_target(dflash, target)
+    except DraftsmithError as exc:
+        raise DraftsmithError(f"method.backbone {backbone}: {exc}") from None
+    return dflash
+
+
 def check_threshold(threshold: float, what: str = "confidence_threshold") -> float:
     if not 0.0 <= threshold <= 1.0:  # also refuses NaN
         raise DraftsmithError(f"{what} must be in [0, 1], got {threshold}")
@@ -137,12 +150,30 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDrafter(DFlashDrafter):
     method = "dspark"
+    config_class = DSparkConfig
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         # markov_rank 0: DeepSpec's DFlash (no refiner; its confidence head reads h alone).
         self.markov_head = MarkovHead(config.vocab_size, config.markov_rank) if config.markov_rank else None
         self.confidence_head = ConfidenceHead(config.hidden_size + config.markov_rank)
+
+    @classmethod
+    def from_target(cls, target, tile: int = 128, backbone: str = "", freeze_backbone: bool = False,
+                    **overrides) -> "DSparkDrafter":
+        """A fresh DSpark for `target` (DFlash's `from_target`), or, with `backbone` (a trained
+        DFlash run or native folder), one on that backbone (`from_dflash`), kept frozen with
+        `freeze_backbone`; `overrides`, the recipe's keys, win."""
+        if not backbone:
+            if freeze_backbone:
+                raise DraftsmithError("method.freeze_backbone=true needs method.backbone=RUN (a trained DFlash run)")
+            return super().from_target(target, tile=tile, **overrides)
+        if overrides.get("block_size") == "auto":  # the backbone's block, unless a number is given
+            overrides.pop("block_size")
+        drafter = cls.from_dflash(dflash_backbone(backbone, target), freeze_backbone=freeze_backbone,
+                                  backbone=str(backbone), **overrides)
+        drafter.config.freeze_backbone = freeze_backbone  # provenance, saved with the config
+        return drafter
 
     @classmethod
     def from_dflash(cls, dflash: DFlashDrafter, freeze_backbone: bool = False,

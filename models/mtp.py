@@ -17,7 +17,7 @@ engine that builds them from the target's config. The embedding and output head 
 target's (shared, never copied).
 
 `init: from_target` starts from the modules a checkpoint ships (DeepSeek-V3's extra layers,
-Qwen3-Next's `mtp.*`; read by models/export_mtp.py) instead of new ones, and
+Qwen3-Next's `mtp.*`; read by models/formats/mtp.py) instead of new ones, and
 `freeze_target` trains them alone against the frozen target (train/mtp.py).
 """
 
@@ -160,10 +160,12 @@ class MTPDrafter(nn.Module):
         )
 
     @classmethod
-    def for_target(cls, target: nn.Module, num_depths: int) -> "MTPDrafter":
-        heads = cls(target.config, num_depths, type(decoder_layers(target)[0]))
-        dtype = next(target.parameters()).dtype
-        return heads.to(dtype)
+    def from_target(cls, target: nn.Module, **overrides) -> "MTPDrafter":
+        """New modules for `target` (a model), in its dtype; `overrides` are MTPConfig keys (the recipe's)."""
+        config = MTPConfig(**overrides)
+        heads = cls(target.config, config.num_depths, type(decoder_layers(target)[0]))
+        heads.config = config
+        return heads.to(next(target.parameters()).dtype)
 
     @property
     def num_depths(self) -> int:
@@ -178,7 +180,7 @@ class MTPDrafter(nn.Module):
 
     @classmethod
     def from_native(cls, config: MTPConfig, state: dict, target: nn.Module, source: str) -> "MTPDrafter":
-        heads = cls.for_target(target, config.num_depths)
+        heads = cls.from_target(target, num_depths=config.num_depths)
         heads.config = config
         load_state_strict(heads, from_deepseek_names(state), source=source)  # a target of other sizes fails here
         return heads.to(next(target.parameters()).device)

@@ -153,7 +153,7 @@ def _dspark(w, **options):
 METHOD_PROPOSERS = {
     "ngram": lambda w, **o: NgramProposer(**o),
     "draft_lm": lambda w, **o: DraftLMProposer(noisy_copy(w.target, scale=0.3, seed=1), w.target, **o),
-    "mtp": lambda w, **o: MTPProposer(MTPDrafter.for_target(w.target, num_depths=2), w.target, **o),
+    "mtp": lambda w, **o: MTPProposer(MTPDrafter.from_target(w.target, num_depths=2), w.target, **o),
     "eagle3": _eagle3,
     "dflash": lambda w, **o: DFlashProposer(DFlashDrafter(DFlashConfig.from_target(
         w.target.config, mask_token_id=MASK, num_layers=1, block_size=5)), w.target, **o),

@@ -16,7 +16,7 @@ from draftsmith.models.target import build_tiny_target, target_forward
 
 def tiny(arch, depths=2, chain_input="hidden"):
     target = build_tiny_target(arch=arch, vocab_size=61, num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=1)
-    heads = MTPDrafter.for_target(target, depths)
+    heads = MTPDrafter.from_target(target, num_depths=depths)
     heads.config.chain_input = chain_input
     with torch.no_grad():
         for p in heads.parameters():

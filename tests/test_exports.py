@@ -192,7 +192,7 @@ def tiny_deepseek(seed=1, layers=3):
 
 def mtp_run(tmp_path, target, name):
     """What the mtp recipe writes: the target folder with its MTP modules in mtp/."""
-    heads = MTPDrafter.for_target(target, 2)
+    heads = MTPDrafter.from_target(target, num_depths=2)
     with torch.no_grad():  # every weight set here: MoE experts are built uninitialised (torch.empty)
         for param_name, p in heads.named_parameters():
             p.copy_(torch.randn_like(p) * 0.05 + (1.0 if param_name.endswith("norm.weight") else 0.0))

@@ -63,7 +63,7 @@ def _randomise(module):
 
 def test_depth1_matches_hand_written_reference():
     target = build_tiny_target(vocab_size=97, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
-    heads = MTPDrafter.for_target(target, 2)
+    heads = MTPDrafter.from_target(target, num_depths=2)
     _randomise(heads)  # norms start at 1: perturb them so the test sees every weight
     _randomise(target.model.norm)  # and the target's final norm, which h^0 passes through
     ids = torch.randint(0, 97, (1, 12))
@@ -76,7 +76,7 @@ def test_depth1_matches_hand_written_reference():
 
 def test_save_uses_deepseek_names_and_reloads(tmp_path):
     target = build_tiny_target(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4)
-    heads = MTPDrafter.for_target(target, 2)
+    heads = MTPDrafter.from_target(target, num_depths=2)
     _randomise(heads)
     save_drafter(heads, tmp_path / MTP_DIR)
     names = set(deepseek_names(heads.state_dict()))
@@ -105,7 +105,7 @@ def test_eager_attention_trains_the_same_causal_modules():
                                    attn_implementation=impl)
         assert target.config._attn_implementation == impl
         torch.manual_seed(1)
-        heads = MTPDrafter.for_target(target, 2)
+        heads = MTPDrafter.from_target(target, num_depths=2)
         _randomise(heads)
         h0 = target_forward(target, ids, capture=[1]).hidden[1]
         logits[impl] = mtp_forward(heads, target, ids, h0)
@@ -152,7 +152,7 @@ def test_modules_read_the_state_the_engines_pass():
 def test_mtp_loss_trains_the_final_norm():
     """The MTP loss reads the post-norm state, so its gradient reaches the final norm."""
     target = build_tiny_target(vocab_size=61, num_layers=2, hidden_size=32, num_heads=4)
-    heads = MTPDrafter.for_target(target, 2)
+    heads = MTPDrafter.from_target(target, num_depths=2)
     ids = torch.randint(0, 61, (2, 10))
     h = target_forward(target, ids, capture=[1]).hidden[1]
     sum(lg.sum() for lg in mtp_forward(heads, target, ids, h)).backward()

@@ -350,7 +350,7 @@ def test_mtp_export_runs_in_speculators_as_our_module_one_chained(target, tmp_pa
         assert read.num_depths == 1 and read.config.chain_input == "normed"
         chained = {}
         for way in ("hidden", "normed"):
-            chained[way] = MTPDrafter.for_target(target, len(theirs))
+            chained[way] = MTPDrafter.from_target(target, num_depths=len(theirs))
             chained[way].layers = torch.nn.ModuleList([read.layers[0]] * len(theirs))
             chained[way].config.chain_input = way
             chained[way] = mtp_forward(chained[way], target, ids, last[0])

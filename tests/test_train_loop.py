@@ -248,3 +248,15 @@ def test_verbosity_flags_set_what_a_run_says(tmp_path, capsys):
     assert logging.getLogger("draftsmith").level == logging.DEBUG
     run("again")  # no flag: back to the default
     assert logging.getLogger("draftsmith").level == logging.INFO
+
+def test_every_training_method_builds_its_drafter_by_one_protocol():
+    """`build_drafter` on each method's training, which calls its own model class and never looks
+    the method up again by its name (the registry's tables stay with train/method.py)."""
+    from draftsmith.registry import import_ref, method_spec, trainable
+    from draftsmith.train.method import TrainMethod
+
+    for name in trainable():
+        training = import_ref(method_spec(name).training, name)
+        assert training.build_drafter is not TrainMethod.build_drafter, name
+        source = (ROOT / "train" / f"{name}.py").read_text()
+        assert not any(lookup in source for lookup in ("config_class(", "method_spec(", "import_ref(")), name

@@ -8,16 +8,13 @@ backbone and data path (`train/dspark.py` subclasses this).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
 from accelerate import PartialState
 
-from draftsmith.models.dflash import concat_layers
-from draftsmith.models.native import save_drafter
-from draftsmith.registry import config_class, import_ref, method_spec
-from draftsmith.train.posthoc import LossForward, PostHocMethod
+from draftsmith.models.dflash import DFlashDrafter, concat_layers
+from draftsmith.train.posthoc import PostHocMethod
 
 log = logging.getLogger(__name__)
 
@@ -31,27 +28,25 @@ def anchor_seed(seed: int, micro: int, process: int, training: bool) -> int:
 
 class DFlashTraining(PostHocMethod):
     packs = True  # position_ids reach the loss (data/packing.py)
+    drafter_class = DFlashDrafter  # DSpark's training trains its own on the same path
 
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
-        drafter = self.build_drafter(dict(recipe.method.params))
-        drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
-        self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
-        self.layer_ids = list(drafter.config.target_layer_ids)
         self.process_index = PartialState().process_index  # read once, not per training step
         head = self.target.get_output_embeddings()
         self.embed = self.target.get_input_embeddings()
         self.head = lambda h: head(h.to(head.weight.dtype))
-        self.check_cache()
 
-    def build_drafter(self, params: dict):
-        """A fresh drafter of the recipe's method (its config and module as the registry names
-        them), sized from the target; the recipe's method fields win."""
-        name = self.recipe.method.name
+    def build_drafter(self):
+        """A fresh drafter sized from the target (the tile rule's block); the recipe's method keys win."""
+        return self.drafter_class.from_target(self.target, tile=self.recipe.target.tile, **self.drafter_params())
+
+    def drafter_params(self) -> dict:
+        """The recipe's method keys, and a mask token where neither they nor the target name one."""
+        params = dict(self.recipe.method.params)
         if getattr(self.target.config, "mask_token_id", None) is None and params.get("mask_token_id") is None:
             params["mask_token_id"] = self.mask_token()
-        config = config_class(name).from_target(self.target.config, tile=self.recipe.target.tile, **params)
-        return import_ref(method_spec(name).model, f"method {name!r}")(config)
+        return params
 
     def mask_token(self) -> int:
         """The tokenizer's mask token, or one chosen for a tokenizer without (data/tokenizer.py);
@@ -79,6 +74,3 @@ class DFlashTraining(PostHocMethod):
             anchor_seed(self.recipe.train.seed, micro, self.process_index, model.training))
         return model(hidden, batch["input_ids"], mask, self.embed, self.head, *self.loss_inputs(f), generator=gen,
                      position_ids=batch.get("position_ids"))  # a packed batch's (data/packing.py)
-
-    def save(self, model, out_dir: Path) -> Path:
-        return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

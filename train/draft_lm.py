@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
-from draftsmith.models.draft_lm import distill_kl
-from draftsmith.models.target import build_tiny_target, find_model_dir, load_target
+from draftsmith.models.draft_lm import DraftLM, DraftLMConfig, distill_kl
+from draftsmith.models.target import find_model_dir, load_target
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.method import TrainMethod
 
@@ -19,7 +20,7 @@ from draftsmith.train.method import TrainMethod
 class DraftLMTraining(TrainMethod):
     def __init__(self, recipe, device):
         super().__init__(recipe, device)
-        self.config = c = recipe.method.build_config()
+        self.config = c = DraftLMConfig(**recipe.method.params)  # the loss's settings (distillation)
         if not recipe.target.path and c.distill_weight > 0:
             raise DraftsmithError("method.distill_weight > 0 needs target.path (the model to distill from)")
         self.tokenizer = load_tokenizer(recipe)
@@ -30,16 +31,15 @@ class DraftLMTraining(TrainMethod):
                 raise DraftsmithError(
                     f"target {recipe.target.path} has vocab {self.target.config.vocab_size}, "
                     f"its tokenizer {len(self.tokenizer)}")
-        self.model = build_tiny_target(
-            seed=recipe.train.seed + 1, arch=recipe.target.arch, vocab_size=len(self.tokenizer),
-            num_layers=c.num_layers, hidden_size=c.hidden_size, num_heads=c.num_heads,
-            num_kv_heads=c.num_kv_heads, intermediate_size=c.intermediate_size or None,
-            max_position_embeddings=recipe.target.max_position_embeddings,
-            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-            bos_token_id=self.tokenizer.bos_token_id,
-        )
+        self.model = self.build_drafter()
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
         self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
+
+    def build_drafter(self) -> nn.Module:
+        r = self.recipe
+        # seed + 1: not the initial weights of a tiny target built from train.seed
+        return DraftLM.from_target(self.tokenizer, arch=r.target.arch, seed=r.train.seed + 1,
+                                   max_position_embeddings=r.target.max_position_embeddings, **r.method.params)
 
     def loss(self, model, batch, step, micro=0):
         ids = batch["input_ids"]

@@ -9,34 +9,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.models.dflash import check_target
 from draftsmith.models.dspark import DSparkDrafter
-from draftsmith.models.native import load_drafter
-from draftsmith.models.target import find_model_dir
 from draftsmith.train.dflash import DFlashTraining
 
 log = logging.getLogger(__name__)
 
 
 class DSparkTraining(DFlashTraining):
-    def build_drafter(self, params: dict):
-        backbone = params.pop("backbone", "")
-        freeze = params.pop("freeze_backbone", False)
-        if not backbone:
-            if freeze:
-                raise DraftsmithError("method.freeze_backbone=true needs method.backbone=RUN (a trained DFlash run)")
-            return super().build_drafter(params)
-        if params.get("block_size") == "auto":  # the backbone's block, unless a number is given
-            params.pop("block_size")
-        dflash = load_drafter(find_model_dir(backbone), "dflash")
-        try:
-            check_target(dflash, self.target)
-        except DraftsmithError as exc:
-            raise DraftsmithError(f"method.backbone {backbone}: {exc}") from None
-        drafter = DSparkDrafter.from_dflash(dflash, freeze_backbone=freeze, backbone=str(backbone), **params)
-        drafter.config.freeze_backbone = freeze  # provenance, saved with the config
-        return drafter
+    drafter_class = DSparkDrafter
+
+    def drafter_params(self) -> dict:
+        # A backbone (method.backbone) brings its own mask token: none is chosen for it.
+        params = self.recipe.method.params
+        return dict(params) if params.get("backbone") else super().drafter_params()
 
     def extract(self, out):
         return {**super().extract(out), "logits": out.logits}

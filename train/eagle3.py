@@ -7,31 +7,25 @@ own training rows (the target's answers), built before the first step.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import torch
 
 from draftsmith.data.draft_vocab import build_draft_vocab
-from draftsmith.models.eagle3 import Eagle3Drafter, check_target_fits
-from draftsmith.models.native import save_drafter
-from draftsmith.train.posthoc import LossForward, PostHocMethod
+from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.train.posthoc import PostHocMethod
 
 
 class Eagle3Training(PostHocMethod):
     packs = True  # position_ids reach the loss (data/packing.py)
 
-    def __init__(self, recipe, device):
-        super().__init__(recipe, device)
-        drafter = Eagle3Drafter.from_target(self.target, **recipe.method.params)
-        check_target_fits(drafter.config, self.target)
+    def build_drafter(self) -> Eagle3Drafter:
+        """A drafter as wide as the target, with the draft vocabulary of this run's training rows."""
+        drafter = Eagle3Drafter.from_target(self.target, **self.recipe.method.params)
         rows = self.train_tokens()
         d2t, t2d = build_draft_vocab([rows["input_ids"]], [rows["loss_mask"] * rows["attention_mask"]],
                                      drafter.config.vocab_size, drafter.config.draft_vocab_size)
         drafter.set_draft_vocab(d2t, t2d)
-        self.layer_ids = list(drafter.config.target_layer_ids)
-        drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
-        self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
-        self.check_cache()
+        return drafter
 
     def extract(self, out):
         # All the loss reads of the logits (`teacher`): a feature cache keeps V_d + 1 numbers
@@ -52,6 +46,3 @@ class Eagle3Training(PostHocMethod):
         return model(f["hidden"].float(), batch["input_ids"], f["logits"].float(), batch["loss_mask"],
                      batch["attention_mask"], target_top=f["target_top"],
                      position_ids=batch.get("position_ids"))  # a packed batch's (data/packing.py)
-
-    def save(self, model, out_dir: Path) -> Path:
-        return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})

@@ -36,6 +36,11 @@ class TrainMethod:
         """The training rows' token columns [N, T] (`attention_mask` sizes data.group_by_length's groups)."""
         return self.train_data[:]
 
+    def build_drafter(self) -> nn.Module:
+        """The fresh module this method trains, from the recipe's method keys and the target (or
+        its tokenizer): one call to its model class's `from_target`, never a registry lookup."""
+        raise NotImplementedError
+
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int,
              micro: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss, metrics) of one micro-batch; `micro` numbers the run's micro-batches (the

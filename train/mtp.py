@@ -13,7 +13,7 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
-from draftsmith.models.mtp import MTP_DIR, MTPDrafter, mtp_forward, mtp_losses
+from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_forward, mtp_losses
 from draftsmith.models.native import save_drafter
 from draftsmith.models.target import build_tiny_target, find_model_dir, freeze, load_target, target_forward
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
@@ -75,19 +75,17 @@ def build_heads(recipe, target: nn.Module) -> MTPDrafter:
     """New modules, or (init: from_target) the ones the target's checkpoint ships, with K and
     chain_input as that checkpoint has them unless the recipe sets chain_input. The recipe's
     config goes on the heads now, so training chains depths as decoding will."""
-    if recipe.method.params.get("init", "new") == "new":
-        config = recipe.method.build_config()
-        heads = MTPDrafter.for_target(target, config.num_depths)
-    else:
-        heads = shipped_heads(recipe, target)
-        config = recipe.method.build_config(num_depths=heads.num_depths, chain_input=heads.config.chain_input)
-    heads.config = config
+    params = recipe.method.params
+    if params.get("init", "new") == "new":
+        return MTPDrafter.from_target(target, **params)
+    heads = shipped_heads(recipe, target)
+    heads.config = MTPConfig(**{"num_depths": heads.num_depths, "chain_input": heads.config.chain_input, **params})
     return heads
 
 
 def shipped_heads(recipe, target: nn.Module) -> MTPDrafter:
     """The MTP modules in the target's folder; a recipe num_depths other than theirs is refused."""
-    from draftsmith.models.export_mtp import load_from_target
+    from draftsmith.models.formats.mtp import load_from_target
 
     heads = load_from_target(find_model_dir(recipe.target.path), target)
     wanted = recipe.method.params.get("num_depths")
@@ -118,8 +116,8 @@ class MTPTraining(TrainMethod):
         check_from_target(recipe)
         self.tokenizer = load_tokenizer(recipe)
         frozen = bool(recipe.method.params.get("freeze_target", False))
-        target = build_target(recipe, self.tokenizer, frozen=frozen, device=device)
-        heads = build_heads(recipe, target)
+        self.target = target = build_target(recipe, self.tokenizer, frozen=frozen, device=device)
+        heads = self.build_drafter()
         self.config = heads.config
         if frozen:
             self.model = HeadsOnFrozenTarget(target, heads)
@@ -129,6 +127,9 @@ class MTPTraining(TrainMethod):
             self.model = TargetWithMTP(target, heads)
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
         self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
+
+    def build_drafter(self) -> MTPDrafter:
+        return build_heads(self.recipe, self.target)
 
     def mtp_weight(self, step: int) -> float:
         c = self.config

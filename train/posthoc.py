@@ -26,6 +26,7 @@ from draftsmith.data.feature_cache import (
 from draftsmith.data.posthoc_rows import chat_settings, rows_settings, training_rows
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import check_not_an_input
+from draftsmith.models.native import save_drafter
 from draftsmith.models.target import TargetOutput, find_model_dir, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
@@ -46,10 +47,11 @@ class LossForward(nn.Module):
 
 class PostHocMethod(TrainMethod):
     """Loads the frozen target and its tokenizer, and the rendered training rows (or, from a
-    feature cache, the rows and their features, and the target's embedding and head only).
+    feature cache, the rows and their features, and the target's embedding and head only);
+    then the drafter (`build_drafter`), trained in float32 through its `loss`.
 
-    A subclass sets `layer_ids`, says in `extract` what its loss reads of a target forward,
-    reads it back through `features`, and calls `check_cache` once its layer ids are known."""
+    A subclass builds its drafter, whose config names the `target_layer_ids` it reads, says in
+    `extract` what its loss reads of a target forward, and reads it back through `features`."""
 
     layer_ids: list[int]
 
@@ -70,6 +72,17 @@ class PostHocMethod(TrainMethod):
         _, template_kwargs = chat_settings(recipe, self.tokenizer)
         if "enable_thinking" in template_kwargs:
             recipe.data.enable_thinking = template_kwargs["enable_thinking"]
+        self.load_rows(device)
+        drafter = self.build_drafter()
+        self.layer_ids = list(drafter.config.target_layer_ids)
+        drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
+        self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
+        self.check_cache()
+
+    def load_rows(self, device: torch.device) -> None:
+        """The target and the rows: from a feature cache, the rows it holds and the target's ends
+        alone; else the whole target, and the rows rendered from its answers (data/posthoc_rows.py)."""
+        recipe = self.recipe
         self.cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
         if self.cache is not None:
             self.cache.expect_target(self.target_dir)
@@ -118,6 +131,10 @@ class PostHocMethod(TrainMethod):
 
     def tokens_in(self, batch) -> int:
         return int(batch["attention_mask"].sum())
+
+    def save(self, model, out_dir: Path) -> Path:
+        """The drafter in the native format, naming the target it was trained against."""
+        return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})
 
 
 def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
