@@ -19,8 +19,8 @@ REAL_EVALUATE = loop.evaluate
 def scripted_validation(monkeypatch, losses: dict[int, float]) -> None:
     """Validation reports `losses[step]` as val/loss (the real metrics otherwise), so which
     step is best is known in advance."""
-    def scripted(method, model, loader, max_batches, step, accelerator):
-        return {**REAL_EVALUATE(method, model, loader, max_batches, step, accelerator), "val/loss": losses[step]}
+    def scripted(method, model, loader, max_batches, step, *rest):
+        return {**REAL_EVALUATE(method, model, loader, max_batches, step, *rest), "val/loss": losses[step]}
 
     monkeypatch.setattr(loop, "evaluate", scripted)
 

@@ -162,11 +162,13 @@ def test_a_post_hoc_run_on_a_qwen3_target_records_and_uses_no_thinking(tmp_path)
         {"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "old"},
         {"from": "human", "value": "And then?"}, {"from": "chatgpt", "value": "old"}]}) + "\n" for i in range(10)))
     run = tmp_path / "run"
-    train(tiny_recipe("eagle3", run, target__path=str(tmp_path / "qwen3"), data__dataset=str(data),
-                      data__regen_max_new_tokens=4, data__regen_temperature=0.0, train__seq_len=96,
-                      train__max_steps=2, train__batch_size=2, method__draft_vocab_size=64, method__ttt_length=2))
+    recipe = tiny_recipe("eagle3", run, target__path=str(tmp_path / "qwen3"), data__dataset=str(data),
+                         data__regen_max_new_tokens=4, data__regen_temperature=0.0, train__seq_len=96,
+                         train__max_steps=2, train__batch_size=2, method__draft_vocab_size=64, method__ttt_length=2)
+    train(recipe)
     recorded = yaml.safe_load((run / "recipe.yaml").read_text())["data"]
     assert recorded["enable_thinking"] is False and recorded["chat_template"] == ""
+    assert recipe.data.enable_thinking is None  # decided by the run and recorded, never written into the recipe
 
     save_tiny_chat_target("llama31", tmp_path / "llama")
     with pytest.raises(DraftsmithError, match="data.enable_thinking=true: the chat template has no enable_thinking"):

@@ -142,7 +142,7 @@ def test_validation_of_eval_batches_before_a_partial_last_batch():
     loader = accelerator.prepare(DataLoader(data, batch_size=4))
 
     class Method:
-        def loss(self, model, batch, step, micro=0):
+        def loss(self, model, batch, step, micro=0, total_steps=0):
             return batch["x"].mean(), {f"m{k}": float(batch["x"].sum()) for k in range(6)}
 
     val = loop.evaluate(Method(), torch.nn.Linear(1, 1), loader, 2, 0, accelerator)
@@ -201,11 +201,11 @@ def test_a_resumed_run_logs_the_same_windows(run, tmp_path, monkeypatch):
     calls = {"n": 0}
     real_loss = MTPTraining.loss
 
-    def dying_loss(self, model, batch, step, micro=0):
+    def dying_loss(self, model, batch, step, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:  # step 5: after the checkpoint at 3 and the log at 4
             raise KeyboardInterrupt
-        return real_loss(self, model, batch, step, micro=micro)
+        return real_loss(self, model, batch, step, **kwargs)
 
     broken = tmp_path / "broken"
     monkeypatch.setattr(MTPTraining, "loss", dying_loss)
@@ -420,8 +420,8 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkp
 
     real_loss = MTPTraining.loss
 
-    def nan_from_step_3(self, model, batch, step, micro=0):
-        loss, metrics = real_loss(self, model, batch, step, micro=micro)
+    def nan_from_step_3(self, model, batch, step, **kwargs):
+        loss, metrics = real_loss(self, model, batch, step, **kwargs)
         return (loss * float("nan") if step >= 2 else loss), metrics
 
     monkeypatch.setattr(MTPTraining, "loss", nan_from_step_3)
@@ -440,7 +440,7 @@ def test_derived_figures_show_a_nan_loss():
     accelerator = Accelerator(cpu=True)
 
     class Method:
-        def loss(self, model, batch, step, micro=0):
+        def loss(self, model, batch, step, micro=0, total_steps=0):
             return torch.tensor(float("nan")), {"loss_main": float("nan")}
 
     val = loop.evaluate(Method(), torch.nn.Linear(1, 1), [{"x": 1}], 1, 0, accelerator)
@@ -973,8 +973,8 @@ def test_a_nan_stop_names_only_a_checkpoint_whose_weights_are_finite(tmp_path, m
 
     real_loss, real_save = MTPTraining.loss, loop.save_checkpoint
 
-    def nan_from_step_3(self, model, batch, step, micro=0):
-        loss, metrics = real_loss(self, model, batch, step, micro=micro)
+    def nan_from_step_3(self, model, batch, step, **kwargs):
+        loss, metrics = real_loss(self, model, batch, step, **kwargs)
         return (loss * float("nan") if step >= 2 else loss), metrics
 
     def poisoned(accelerator, out_dir, step, *rest):  # weights turned NaN on disk since

@@ -167,10 +167,10 @@ def test_anchors_are_drawn_per_micro_batch_and_process_and_a_resume_draws_the_sa
                     train__eval_every=100, train__log_every=1, method__num_anchors=8, method__block_size=4)
     real_loss, seen = DFlashTraining.loss, []
 
-    def recording_loss(self, model, batch, step, micro=0):  # the micro-batch numbers the loop passes
+    def recording_loss(self, model, batch, step, micro=0, **kwargs):  # the micro-batch numbers the loop passes
         if model.training:
             seen.append(micro)
-        return real_loss(self, model, batch, step, micro=micro)
+        return real_loss(self, model, batch, step, micro=micro, **kwargs)
 
     straight = tmp_path / "straight"
     with monkeypatch.context() as patch:

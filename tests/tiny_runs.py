@@ -42,11 +42,11 @@ def interrupted(monkeypatch, training_class, call: int, start) -> None:
 
     real, calls = training_class.loss, {"n": 0}
 
-    def dying_loss(self, model, batch, step, micro=0):
+    def dying_loss(self, model, batch, step, **kwargs):
         calls["n"] += 1
         if calls["n"] == call:
             raise KeyboardInterrupt
-        return real(self, model, batch, step, micro=micro)
+        return real(self, model, batch, step, **kwargs)
 
     monkeypatch.setattr(training_class, "loss", dying_loss)
     with pytest.raises(KeyboardInterrupt):

@@ -66,7 +66,7 @@ class DFlashTraining(PostHocMethod):
         """What the drafter's loss takes after the head (DSpark: the target's logits)."""
         return ()
 
-    def loss(self, model, batch, step, micro=0):
+    def loss(self, model, batch, step, micro=0, total_steps=0):
         f = self.features(batch)
         hidden = f["hidden"].float()
         mask = batch["loss_mask"] * batch["attention_mask"]

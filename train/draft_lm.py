@@ -41,7 +41,7 @@ class DraftLMTraining(TrainMethod):
         return DraftLM.from_target(self.tokenizer, arch=r.target.arch, seed=r.train.seed + 1,
                                    max_position_embeddings=r.target.max_position_embeddings, **r.method.params)
 
-    def loss(self, model, batch, step, micro=0):
+    def loss(self, model, batch, step, micro=0, total_steps=0):
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits[:, :-1]
         lm = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())

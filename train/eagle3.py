@@ -41,7 +41,7 @@ class Eagle3Training(PostHocMethod):
         return {**super().feature_spec(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16],
                 "teacher": "draft-vocabulary log-probabilities"}
 
-    def loss(self, model, batch, step, micro=0):
+    def loss(self, model, batch, step, micro=0, total_steps=0):
         f = self.features(batch)
         return model(f["hidden"].float(), batch["input_ids"], f["logits"].float(), batch["loss_mask"],
                      batch["attention_mask"], target_top=f["target_top"],

@@ -40,7 +40,7 @@ from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.best import BestWeights
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_name, saved_checkpoints
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs, set_fsdp_wrap_classes
-from draftsmith.train.method import build_method
+from draftsmith.train.method import build_method, resolved_recipe
 from draftsmith.train.run_folder import claim_run_folder, resume_changes, start_run
 from draftsmith.train.schedule import check_schedule, make_scheduler, total_steps
 from draftsmith.train.tracking import check_tracking, start_trackers
@@ -173,7 +173,7 @@ def remove_unfinished_checkpoints(out_dir: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def evaluate(method, model, loader, max_batches: int, step: int, accelerator) -> dict[str, float]:
+def evaluate(method, model, loader, max_batches: int, step: int, accelerator, total_steps: int = 0) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     count = 0
@@ -181,7 +181,7 @@ def evaluate(method, model, loader, max_batches: int, step: int, accelerator) ->
         # zip stops before fetching a batch past max_batches: fetching one more would end the
         # loader's pass and make gather_for_metrics cut its input to the last batch's remainder.
         for index, batch in zip(range(max_batches), loader):
-            loss, metrics = method.loss(model, batch, step, micro=index)
+            loss, metrics = method.loss(model, batch, step, micro=index, total_steps=total_steps)
             for k, v in {"loss": loss.item(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
@@ -399,7 +399,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
         raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(train_loader)} batches per epoch, "
                               f"fewer than train.grad_accum={t.grad_accum}")
     # The length in steps is known once the prepared loader says how many batches a process reads.
-    max_steps = method.total_steps = total_steps(t.max_steps, t.num_epochs, per_epoch // t.grad_accum)
+    max_steps = total_steps(t.max_steps, t.num_epochs, per_epoch // t.grad_accum)
     scheduler = accelerator.prepare(make_scheduler(adamw, t.lr_schedule, max_steps, t.warmup_ratio, t.min_lr_ratio))
     if accelerator.is_main_process:
         log.info("train %s: %d optimizer steps of %d rows (%d per epoch), %s schedule", recipe.method.name,
@@ -424,9 +424,9 @@ def _train(recipe: Recipe, run: dict) -> Path:
     history = out_dir / "metrics.jsonl"
     if accelerator.is_main_process:  # after a resume has loaded: a refused one leaves the run's recipe
         start_run(out_dir, run, t.overwrite, resume_step if resume_from is not None else None)
-        with atomic_file(out_dir / "recipe.yaml") as f:
-            f.write(dump_recipe(recipe))
-        start_trackers(accelerator, recipe.tracking, out_dir, _flat(recipe), dump_recipe(recipe),
+        with atomic_file(out_dir / "recipe.yaml") as f:  # with what the run decided (method.resolved)
+            f.write(dump_recipe(recorded := resolved_recipe(recipe, method.resolved())))
+        start_trackers(accelerator, recorded.tracking, out_dir, _flat(recorded), dump_recipe(recorded),
                        resume_step if resume_from is not None else None)
         _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
     best = BestWeights(out_dir, resume_step if resume_from is not None else None, accelerator.is_main_process)
@@ -448,7 +448,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
             loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
         for batch in loader:
             with accelerator.accumulate(model):
-                loss, metrics = method.loss(model, batch, step, micro=micro)
+                loss, metrics = method.loss(model, batch, step, micro=micro, total_steps=max_steps)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and t.clip > 0:
                     metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), t.clip))
@@ -481,7 +481,7 @@ def _train(recipe: Recipe, run: dict) -> Path:
                 bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{logs['train/tokens_per_s']:.0f}")
                 window, window_n, tokens, started = {}, 0, 0, time.perf_counter()
             if step % t.eval_every == 0 or step == max_steps:
-                val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator)
+                val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator, max_steps)
                 _log(accelerator, history, step, val)
                 if best.offer(val, step, weights.at(step)):
                     weights.written[step] = best.folder / MODEL  # where that write came to rest

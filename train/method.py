@@ -9,6 +9,7 @@ given to the optimizer and never wrapped for training.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ class TrainMethod:
     model: nn.Module
     train_data: Any  # a map-style dataset of dicts of equal-shape tensors, or a stream (an IterableDataset)
     eval_data: Any
-    total_steps: int = 0  # the run's optimizer steps, set by the loop once the data is known (train.num_epochs)
     packs: bool = False  # its loss reads a packed batch's position_ids (data.packing, data/packing.py)
 
     def __init__(self, recipe: Recipe, device: torch.device):
@@ -41,11 +41,17 @@ class TrainMethod:
         its tokenizer): one call to its model class's `from_target`, never a registry lookup."""
         raise NotImplementedError
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int,
-             micro: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
+    def resolved(self) -> dict[str, Any]:
+        """Recipe keys left unset that this method decided, as {"section.key": value}: the run's
+        recipe.yaml records them (train/loop.py); the recipe itself is never written to."""
+        return {}
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int, micro: int = 0,
+             total_steps: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss, metrics) of one micro-batch; `micro` numbers the run's micro-batches (the
         loop's count, resumed with it; validation numbers its own batches), for methods that
-        draw random numbers per batch."""
+        draw random numbers per batch; `total_steps` is the run's length in optimizer steps,
+        known to the loop once the data is (train.num_epochs), for losses that follow it."""
         raise NotImplementedError
 
     def tokens_in(self, batch: dict[str, torch.Tensor]) -> int:
@@ -54,6 +60,17 @@ class TrainMethod:
     def save(self, model: nn.Module, out_dir: Path) -> Path:
         """Write the final artifact (atomically) and return its folder."""
         raise NotImplementedError
+
+
+def resolved_recipe(recipe: Recipe, settings: dict) -> Recipe:
+    """A copy of `recipe` with `settings` ({"section.key": value}, what a method decided for
+    keys the recipe left unset) filled in; `recipe` itself is left as it was."""
+    sections: dict[str, dict] = {}
+    for dotted, value in settings.items():
+        section, key = dotted.split(".", 1)
+        sections.setdefault(section, {})[key] = value
+    return dataclasses.replace(recipe, **{name: dataclasses.replace(getattr(recipe, name), **values)
+                                          for name, values in sections.items()})
 
 
 def build_method(recipe: Recipe, device: torch.device) -> TrainMethod:

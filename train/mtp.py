@@ -131,12 +131,12 @@ class MTPTraining(TrainMethod):
     def build_drafter(self) -> MTPDrafter:
         return build_heads(self.recipe, self.target)
 
-    def mtp_weight(self, step: int) -> float:
+    def mtp_weight(self, step: int, total_steps: int) -> float:
         c = self.config
-        early = step < c.lambda_switch * self.total_steps
+        early = step < c.lambda_switch * total_steps
         return (c.lambda_early if early else c.lambda_late) / max(1, c.num_depths)
 
-    def loss(self, model, batch, step, micro=0):
+    def loss(self, model, batch, step, micro=0, total_steps=0):
         ids = batch["input_ids"]
         logits, depth_logits = model(ids)
         losses, accs = mtp_losses(depth_logits, ids)
@@ -146,7 +146,7 @@ class MTPTraining(TrainMethod):
             total = sum(w * loss_k for w, loss_k in zip(weights, losses))
         else:
             main = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-            total = main + self.mtp_weight(step) * torch.stack(losses).sum()
+            total = main + self.mtp_weight(step, total_steps) * torch.stack(losses).sum()
             metrics = {"loss_main": main.item(), "ppl": float(torch.exp(main.detach())),
                        "acc_main": (logits[:, :-1].argmax(-1) == ids[:, 1:]).float().mean().item()}
         for k, (loss_k, acc_k) in enumerate(zip(losses, accs), start=1):

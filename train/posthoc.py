@@ -30,7 +30,7 @@ from draftsmith.models.native import save_drafter
 from draftsmith.models.target import TargetOutput, find_model_dir, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
-from draftsmith.train.method import TrainMethod, build_method
+from draftsmith.train.method import TrainMethod, build_method, resolved_recipe
 
 
 class LossForward(nn.Module):
@@ -66,12 +66,13 @@ class PostHocMethod(TrainMethod):
         self.tokenizer = load_pretrained_tokenizer(self.target_dir)
         check_fits(self.tokenizer, read_target_config(self.target_dir).get("vocab_size"), self.target_dir,
                    recipe.target.path)
-        # A bad template or thinking switch is one line before any data is written; the
-        # thinking mode decided (unset: off where the template has the switch) is what the
-        # run's recipe.yaml records.
+        # A bad template or thinking switch is one line before any data is written. The thinking
+        # mode decided (unset: off where the template has the switch) keys the rows' caches as
+        # if the recipe had set it, and the run's recipe.yaml records it (`resolved`).
         _, template_kwargs = chat_settings(recipe, self.tokenizer)
-        if "enable_thinking" in template_kwargs:
-            recipe.data.enable_thinking = template_kwargs["enable_thinking"]
+        self.decided = ({"data.enable_thinking": template_kwargs["enable_thinking"]}
+                        if "enable_thinking" in template_kwargs else {})
+        self.recipe = recipe = resolved_recipe(recipe, self.decided)
         self.load_rows(device)
         drafter = self.build_drafter()
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -95,6 +96,9 @@ class PostHocMethod(TrainMethod):
             self.target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
                                       attn_implementation=recipe.target.attn_implementation)
             self.train_data, self.eval_data, self.rows_source = training_rows(recipe, self.target, self.tokenizer)
+
+    def resolved(self) -> dict:
+        return dict(self.decided)
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
         """The training rows' token columns [N, T] without features (for a draft vocabulary)."""
@@ -159,7 +163,7 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
     identity = {
         "target": {"path": str(method.target_dir), "fingerprint": target_fingerprint(method.target_dir)},
         **method.feature_spec(),
-        "rows": rows_settings(recipe),
+        "rows": rows_settings(method.recipe),  # with what the method decided (data.enable_thinking)
         "source": str(method.rows_source),
         "splits": {"train": len(method.train_data), "eval": len(method.eval_data)},
     }
