@@ -249,6 +249,7 @@ def test_verbosity_flags_set_what_a_run_says(tmp_path, capsys):
     run("again")  # no flag: back to the default
     assert logging.getLogger("draftsmith").level == logging.INFO
 
+
 def test_every_training_method_builds_its_drafter_by_one_protocol():
     """`build_drafter` on each method's training, which calls its own model class and never looks
     the method up again by its name (the registry's tables stay with train/method.py)."""

@@ -9,6 +9,7 @@ would have seen.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -345,167 +346,286 @@ def train(recipe: Recipe) -> Path:
 
 
 def _train(recipe: Recipe, run: dict) -> Path:
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    out_dir = ensure_writable_dir(recipe.train.output_dir)
+    resume_from, resumed_at = resume_point(recipe.train.resume, out_dir)
+    if resume_from is not None:
+        run = _with_changes(recipe, run, resume_from, resumed_at)
+    check_before_work(recipe)
+    training = Training(recipe, out_dir)
+    training.resume(resume_from, resumed_at)
+    training.start_records(run, resumed_at)
+    training.run()
+    return training.finish()
 
-    t = recipe.train
-    out_dir = ensure_writable_dir(t.output_dir)
-    if t.resume is True:
-        resume_from = latest_checkpoint(out_dir)
-        if resume_from is None:
+
+def resume_point(resume: bool | str, out_dir: Path) -> tuple[Path | None, int | None]:
+    """The checkpoint train.resume names (true: the run folder's latest) and its step; (None, None) for a fresh run."""
+    if resume is True:
+        path = latest_checkpoint(out_dir)
+        if path is None:
             raise DraftsmithError(f"train.resume=true but {out_dir}/{CHECKPOINTS} holds no checkpoint")
+    elif resume:
+        path = Path(resume)
     else:
-        resume_from = Path(t.resume) if t.resume else None
-    resume_step = check_checkpoint(resume_from) if resume_from is not None else 0
-    if resume_from is not None:  # a changed recipe is refused, or recorded with the step it took effect
-        changes = resume_changes(recipe, resume_from, resume_step)
-        if changes:
-            run = {**run, "changes": [*run.get("changes", []), *changes]}
-            log.info("resuming at step %d with %s", resume_step,
-                     "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in changes))
+        return None, None
+    return path, check_checkpoint(path)
+
+
+def _with_changes(recipe: Recipe, run: dict, resume_from: Path, step: int) -> dict:
+    """The run's record with the recipe's changes since `resume_from` (a change that moves the
+    trajectory is refused), each with the step it took effect."""
+    changes = resume_changes(recipe, resume_from, step)
+    if not changes:
+        return run
+    log.info("resuming at step %d with %s", step, "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in changes))
+    return {**run, "changes": [*run.get("changes", []), *changes]}
+
+
+def check_before_work(recipe: Recipe) -> None:
+    """Everything the recipe alone can refuse, before a process group, a model or data is made."""
     check_positions(recipe)
     check_method_shape(recipe)
     say_what_is_off(recipe)
     check_launch(recipe.method.name)
-    check_schedule(t.lr_schedule)
+    check_schedule(recipe.train.lr_schedule)
     check_tracking(recipe.tracking.report_to, recipe.tracking.mode)
 
-    accelerator = make_accelerator(recipe, out_dir)
-    if accelerator.is_main_process:  # what an interrupted save left (one run per folder)
-        remove_unfinished_checkpoints(out_dir)
-    set_seed(t.seed)
-    method = build_method(recipe, accelerator.device)
 
-    train_loader, eval_loader = make_loaders(method, recipe)
-    params = [p for p in method.model.parameters() if p.requires_grad]
-    adamw = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay)
-    from accelerate.utils import DistributedType
+@dataclasses.dataclass
+class Window:
+    """What the run did since the last logged step: metric sums over `n` micro-batches, the
+    tokens read and the seconds taken. Saved in each checkpoint, so that a resumed run logs
+    the same windows as an uninterrupted one."""
 
-    if accelerator.distributed_type == DistributedType.FSDP:  # shard units from the model being trained
-        set_fsdp_wrap_classes(method.model)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(method.model, adamw, train_loader, eval_loader)
-    stream = method.train_data if isinstance(method.train_data, IterableDataset) else None
-    resumable = stream if hasattr(stream, "resume_at") else None  # data/stream.py's PackedStream
-    if resumable is not None:  # its resume points go into every checkpoint
-        accelerator.register_for_checkpointing(resumable)
-    # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
-    # differ between one and several processes, and break `micro = step * grad_accum` on resume.
-    if stream is not None:  # a stream is read once, as far as the run goes
-        per_epoch = t.max_steps * t.grad_accum
-    else:
-        per_epoch = len(train_loader) - len(train_loader) % t.grad_accum
-    if per_epoch == 0:
-        raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: {len(train_loader)} batches per epoch, "
-                              f"fewer than train.grad_accum={t.grad_accum}")
-    # The length in steps is known once the prepared loader says how many batches a process reads.
-    max_steps = total_steps(t.max_steps, t.num_epochs, per_epoch // t.grad_accum)
-    scheduler = accelerator.prepare(make_scheduler(adamw, t.lr_schedule, max_steps, t.warmup_ratio, t.min_lr_ratio))
-    if accelerator.is_main_process:
-        log.info("train %s: %d optimizer steps of %d rows (%d per epoch), %s schedule", recipe.method.name,
-                 max_steps, t.batch_size * t.grad_accum * accelerator.num_processes, per_epoch // t.grad_accum,
-                 t.lr_schedule)
+    sums: dict[str, float] = dataclasses.field(default_factory=dict)
+    n: int = 0
+    tokens: int = 0
+    before: float = 0.0  # seconds counted before `started` (a resumed window's)
+    started: float = dataclasses.field(default_factory=time.perf_counter)
 
-    step = 0
-    window: dict[str, float] = {}
-    window_n, tokens, elapsed = 0, 0, 0.0
-    if resume_from is not None:
-        try:
-            accelerator.load_state(str(resume_from))
-        except Exception as exc:  # another model shape, a damaged file: the checkpoint, not our bug
-            raise DraftsmithError(f"cannot resume from {resume_from}: {first_lines(exc)}") from None
-        step = resume_step
-        saved = resume_from / f"window-{accelerator.process_index}.json"
-        if saved.is_file():
-            w = json.loads(saved.read_text())
-            window, window_n, tokens, elapsed = w.get("sums", {}), w.get("n", 0), w.get("tokens", 0), w.get("s", 0.0)
-        if accelerator.is_main_process:
-            log.info("resumed from %s at step %d", resume_from, step)
-    history = out_dir / "metrics.jsonl"
-    if accelerator.is_main_process:  # after a resume has loaded: a refused one leaves the run's recipe
-        start_run(out_dir, run, t.overwrite, resume_step if resume_from is not None else None)
-        with atomic_file(out_dir / "recipe.yaml") as f:  # with what the run decided (method.resolved)
-            f.write(dump_recipe(recorded := resolved_recipe(recipe, method.resolved())))
-        start_trackers(accelerator, recorded.tracking, out_dir, _flat(recorded), dump_recipe(recorded),
-                       resume_step if resume_from is not None else None)
-        _truncate_history(history, step)  # drop what an interrupted run logged past its checkpoint
-    best = BestWeights(out_dir, resume_step if resume_from is not None else None, accelerator.is_main_process)
-    weights = StepWeights(method, accelerator, model)
+    def add(self, metrics: dict[str, float], tokens: int) -> None:
+        self.tokens += tokens
+        for k, v in metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.n += 1
 
-    micro = step * t.grad_accum
-    bar = tqdm(total=max_steps, initial=step, desc=f"train {recipe.method.name}", dynamic_ncols=True,
-               disable=not accelerator.is_local_main_process or not show_progress())
-    started = time.perf_counter() - elapsed
-    problem = None  # the first non-finite loss or gradient norm of the current optimizer step
-    model.train()
-    while step < max_steps:
-        epoch, skip = divmod(micro, per_epoch)
-        train_loader.set_epoch(epoch)
-        if skip and resumable is not None:  # restarts near its row, not from row 0
-            resumable.resume_at(skip * t.batch_size * accelerator.num_processes)
-            loader = train_loader
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.started
+
+    def saved(self) -> dict:
+        return {"sums": self.sums, "n": self.n, "tokens": self.tokens, "s": self.seconds()}
+
+    @classmethod
+    def from_saved(cls, w: dict) -> Window:
+        return cls(w.get("sums", {}), w.get("n", 0), w.get("tokens", 0), w.get("s", 0.0))
+
+
+def first_not_finite(metrics: dict[str, float]) -> str | None:
+    """The loss or gradient norm of one micro-batch that is NaN or infinite, in words."""
+    for name, what in (("loss", "loss"), ("grad_norm", "gradient norm")):
+        if not math.isfinite(metrics.get(name, 0.0)):
+            return f"{what} is {metrics[name]}"
+    return None
+
+
+class Training:
+    """One run, phase by phase: setup (here), `resume`, `start_records`, `run` (each optimizer
+    step: `micro_batch`, `end_step`, and on their steps `log_window`, `validate`, `save`), `finish`."""
+
+    def __init__(self, recipe: Recipe, out_dir: Path):
+        from accelerate.utils import set_seed
+
+        self.recipe, self.out_dir = recipe, out_dir
+        self.accelerator = make_accelerator(recipe, out_dir)
+        if self.accelerator.is_main_process:  # what an interrupted save left (one run per folder)
+            remove_unfinished_checkpoints(out_dir)
+        set_seed(recipe.train.seed)
+        self.method = build_method(recipe, self.accelerator.device)
+        adamw = self._prepare()
+        self._schedule(adamw)
+        self.step = 0
+        self.window = Window()
+        self.problem: str | None = None  # the first non-finite loss or gradient norm of the current optimizer step
+
+    def _prepare(self) -> torch.optim.Optimizer:
+        """The model, its optimizer and the loaders, as accelerate wraps them; the optimizer unwrapped."""
+        from accelerate.utils import DistributedType
+
+        t, method, accelerator = self.recipe.train, self.method, self.accelerator
+        train_loader, eval_loader = make_loaders(method, self.recipe)
+        params = [p for p in method.model.parameters() if p.requires_grad]
+        adamw = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, t.adam_beta2), weight_decay=t.weight_decay)
+        if accelerator.distributed_type == DistributedType.FSDP:  # shard units from the model being trained
+            set_fsdp_wrap_classes(method.model)
+        self.model, self.optimizer, self.train_loader, self.eval_loader = accelerator.prepare(
+            method.model, adamw, train_loader, eval_loader)
+        self.stream = method.train_data if isinstance(method.train_data, IterableDataset) else None
+        self.resumable = self.stream if hasattr(self.stream, "resume_at") else None  # data/stream.py's PackedStream
+        if self.resumable is not None:  # its resume points go into every checkpoint
+            accelerator.register_for_checkpointing(self.resumable)
+        return adamw
+
+    def _schedule(self, adamw: torch.optim.Optimizer) -> None:
+        """The run's length in micro-batches per epoch and optimizer steps, and its lr schedule."""
+        t, accelerator = self.recipe.train, self.accelerator
+        # Epochs hold whole optimizer steps only: a short accumulation at an epoch's end would
+        # differ between one and several processes, and break `micro = step * grad_accum` on resume.
+        if self.stream is not None:  # a stream is read once, as far as the run goes
+            self.per_epoch = t.max_steps * t.grad_accum
         else:
-            loader = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss, metrics = method.loss(model, batch, step, micro=micro, total_steps=max_steps)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and t.clip > 0:
-                    metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), t.clip))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            micro += 1
-            tokens += method.tokens_in(batch) * accelerator.num_processes
-            metrics = {"loss": loss.item(), **metrics}
-            for k, v in metrics.items():
-                window[k] = window.get(k, 0.0) + v
-            window_n += 1
-            for name, what in (("loss", "loss"), ("grad_norm", "gradient norm")):
-                if not math.isfinite(metrics.get(name, 0.0)):
-                    problem = problem or f"{what} is {metrics[name]}"
-            if not accelerator.sync_gradients:
+            self.per_epoch = len(self.train_loader) - len(self.train_loader) % t.grad_accum
+        if self.per_epoch == 0:
+            raise DraftsmithError(f"data.dataset {self.recipe.data.dataset!r}: {len(self.train_loader)} batches per "
+                                  f"epoch, fewer than train.grad_accum={t.grad_accum}")
+        # The length in steps is known once the prepared loader says how many batches a process reads.
+        self.max_steps = total_steps(t.max_steps, t.num_epochs, self.per_epoch // t.grad_accum)
+        self.scheduler = accelerator.prepare(make_scheduler(adamw, t.lr_schedule, self.max_steps, t.warmup_ratio,
+                                                            t.min_lr_ratio))
+        if accelerator.is_main_process:
+            log.info("train %s: %d optimizer steps of %d rows (%d per epoch), %s schedule", self.recipe.method.name,
+                     self.max_steps, t.batch_size * t.grad_accum * accelerator.num_processes,
+                     self.per_epoch // t.grad_accum, t.lr_schedule)
+
+    def resume(self, checkpoint: Path | None, step: int | None) -> None:
+        """Load the optimizer, scheduler, RNG and data state of `checkpoint` (none: a fresh run)."""
+        if checkpoint is None:
+            return
+        accelerator = self.accelerator
+        try:
+            accelerator.load_state(str(checkpoint))
+        except Exception as exc:  # another model shape, a damaged file: the checkpoint, not our bug
+            raise DraftsmithError(f"cannot resume from {checkpoint}: {first_lines(exc)}") from None
+        self.step = step
+        saved = checkpoint / f"window-{accelerator.process_index}.json"
+        if saved.is_file():
+            self.window = Window.from_saved(json.loads(saved.read_text()))
+        if accelerator.is_main_process:
+            log.info("resumed from %s at step %d", checkpoint, step)
+
+    def start_records(self, run: dict, resumed_at: int | None) -> None:
+        """The run folder's record, recipe, trackers, metrics history and best weights. After a
+        resume has loaded: a refused one leaves the run's recipe as it was."""
+        accelerator, out_dir = self.accelerator, self.out_dir
+        self.history = out_dir / "metrics.jsonl"
+        if accelerator.is_main_process:
+            recorded = resolved_recipe(self.recipe, self.method.resolved())  # what the run decided, recorded
+            start_run(out_dir, run, self.recipe.train.overwrite, resumed_at)
+            with atomic_file(out_dir / "recipe.yaml") as f:
+                f.write(dump_recipe(recorded))
+            start_trackers(accelerator, recorded.tracking, out_dir, _flat(recorded), dump_recipe(recorded), resumed_at)
+            _truncate_history(self.history, self.step)  # drop what an interrupted run logged past its checkpoint
+        self.best = BestWeights(out_dir, resumed_at, accelerator.is_main_process)
+        self.weights = StepWeights(self.method, accelerator, self.model)
+
+    def run(self) -> None:
+        """Optimizer steps from the resumed one (or 0) to the last, epoch by epoch."""
+        from tqdm.auto import tqdm
+
+        self.micro = self.step * self.recipe.train.grad_accum
+        self.bar = tqdm(total=self.max_steps, initial=self.step, desc=f"train {self.recipe.method.name}",
+                        dynamic_ncols=True, disable=not self.accelerator.is_local_main_process or not show_progress())
+        self.window.started = time.perf_counter()  # the clock counts training, not the setup before it
+        self.model.train()
+        while self.step < self.max_steps:
+            self._epoch()
+        self.bar.close()
+
+    def _epoch(self) -> None:
+        """The rest of one pass over the data, or of the run if it ends first."""
+        t = self.recipe.train
+        epoch, skip = divmod(self.micro, self.per_epoch)
+        for batch in self._batches(epoch, skip):
+            self.micro_batch(batch)
+            if not self.accelerator.sync_gradients:
                 continue
-            stop_if_not_finite(accelerator, problem, step + 1, out_dir)
-            scheduler.step()
-            step += 1
-            bar.update(1)
-            if step % t.log_every == 0 or step == max_steps:
-                elapsed = time.perf_counter() - started
-                # Each process saw its own shard of the global batch: log the mean over processes.
-                means = accelerator.reduce(torch.tensor([v / window_n for v in window.values()],
-                                                        device=accelerator.device), reduction="mean")
-                logs = {f"train/{k}": v for k, v in zip(window, means.tolist())}
-                logs["train/lr"] = scheduler.get_last_lr()[0]
-                logs["train/tokens_per_s"] = tokens / max(elapsed, 1e-9)
-                _log(accelerator, history, step, logs)
-                bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{logs['train/tokens_per_s']:.0f}")
-                window, window_n, tokens, started = {}, 0, 0, time.perf_counter()
-            if step % t.eval_every == 0 or step == max_steps:
-                val = evaluate(method, model, eval_loader, t.eval_batches, step, accelerator, max_steps)
-                _log(accelerator, history, step, val)
-                if best.offer(val, step, weights.at(step)):
-                    weights.written[step] = best.folder / MODEL  # where that write came to rest
-                if val and accelerator.is_main_process:
-                    with logging_redirect_tqdm([logging.getLogger("draftsmith")]):  # the CLI's handler
-                        log.info("step %d: %s", step, ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
-                                                                if k in ("val/loss", "val/ppl", "val/tau_est")))
-            if step % t.save_every == 0 or step == max_steps:
-                stop_if_not_finite(accelerator, _weights_problem(model), step, out_dir)
-                save_checkpoint(accelerator, out_dir, step, {"sums": window, "n": window_n, "tokens": tokens,
-                                                             "s": time.perf_counter() - started}, weights.at(step))
-            if step >= max_steps or micro % per_epoch == 0:
-                break
-        else:  # only a stream ends before its pass does: the corpus is shorter than the run
-            raise DraftsmithError(f"data.dataset {recipe.data.dataset!r}: the corpus ended after {micro} batches of "
-                                  f"train.batch_size={t.batch_size}, before step {max_steps} (train.max_steps)")
-    bar.close()
-    accelerator.wait_for_everyone()
-    final = None
-    if accelerator.is_main_process:
-        final = weights.at(step)(out_dir)  # the last weights, RUN/model
-        log.info("wrote %s", final)
-    accelerator.end_training()
-    return final or out_dir
+            self.end_step()
+            if self.step >= self.max_steps or self.micro % self.per_epoch == 0:
+                return
+        # only a stream ends before its pass does: the corpus is shorter than the run
+        raise DraftsmithError(f"data.dataset {self.recipe.data.dataset!r}: the corpus ended after {self.micro} "
+                              f"batches of train.batch_size={t.batch_size}, before step {self.max_steps} "
+                              "(train.max_steps)")
+
+    def _batches(self, epoch: int, skip: int):
+        """Epoch `epoch`'s batches past its first `skip` (those a resumed run already trained on)."""
+        self.train_loader.set_epoch(epoch)
+        if skip and self.resumable is not None:  # restarts near its row, not from row 0
+            self.resumable.resume_at(skip * self.recipe.train.batch_size * self.accelerator.num_processes)
+            return self.train_loader
+        return self.accelerator.skip_first_batches(self.train_loader, skip) if skip else self.train_loader
+
+    def micro_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        """Forward and backward of one micro-batch; the optimizer steps on the last of an accumulation."""
+        accelerator, model, clip = self.accelerator, self.model, self.recipe.train.clip
+        with accelerator.accumulate(model):
+            loss, metrics = self.method.loss(model, batch, self.step, micro=self.micro, total_steps=self.max_steps)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and clip > 0:
+                metrics["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), clip))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.micro += 1
+        metrics = {"loss": loss.item(), **metrics}
+        self.window.add(metrics, self.method.tokens_in(batch) * accelerator.num_processes)
+        self.problem = self.problem or first_not_finite(metrics)
+
+    def end_step(self) -> None:
+        """An optimizer step done: stop on a non-finite one, else count it, and log, validate
+        and save on the steps the recipe says (and the last)."""
+        t = self.recipe.train
+        stop_if_not_finite(self.accelerator, self.problem, self.step + 1, self.out_dir)
+        self.scheduler.step()
+        self.step += 1
+        self.bar.update(1)
+        last = self.step == self.max_steps
+        if self.step % t.log_every == 0 or last:
+            self.log_window()
+        if self.step % t.eval_every == 0 or last:
+            self.validate()
+        if self.step % t.save_every == 0 or last:
+            self.save()
+
+    def log_window(self) -> None:
+        accelerator, window = self.accelerator, self.window
+        elapsed = window.seconds()
+        # Each process saw its own shard of the global batch: log the mean over processes.
+        means = accelerator.reduce(torch.tensor([v / window.n for v in window.sums.values()],
+                                                device=accelerator.device), reduction="mean")
+        logs = {f"train/{k}": v for k, v in zip(window.sums, means.tolist())}
+        logs["train/lr"] = self.scheduler.get_last_lr()[0]
+        logs["train/tokens_per_s"] = window.tokens / max(elapsed, 1e-9)
+        _log(accelerator, self.history, self.step, logs)
+        self.bar.set_postfix(loss=f"{logs['train/loss']:.3f}", tok_s=f"{logs['train/tokens_per_s']:.0f}")
+        self.window = Window()
+
+    def validate(self) -> None:
+        """Validation metrics, logged; the weights kept as the best if they beat it."""
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        step = self.step
+        val = evaluate(self.method, self.model, self.eval_loader, self.recipe.train.eval_batches, step,
+                       self.accelerator, self.max_steps)
+        _log(self.accelerator, self.history, step, val)
+        if self.best.offer(val, step, self.weights.at(step)):
+            self.weights.written[step] = self.best.folder / MODEL  # where that write came to rest
+        if val and self.accelerator.is_main_process:
+            with logging_redirect_tqdm([logging.getLogger("draftsmith")]):  # the CLI's handler
+                log.info("step %d: %s", step, ", ".join(f"{k[4:]} {v:.4g}" for k, v in val.items()
+                                                        if k in ("val/loss", "val/ppl", "val/tau_est")))
+
+    def save(self) -> None:
+        stop_if_not_finite(self.accelerator, _weights_problem(self.model), self.step, self.out_dir)
+        save_checkpoint(self.accelerator, self.out_dir, self.step, self.window.saved(), self.weights.at(self.step))
+
+    def finish(self) -> Path:
+        """The last weights, RUN/model (its folder; the run folder on the other processes)."""
+        self.accelerator.wait_for_everyone()
+        final = None
+        if self.accelerator.is_main_process:
+            final = self.weights.at(self.step)(self.out_dir)
+            log.info("wrote %s", final)
+        self.accelerator.end_training()
+        return final or self.out_dir
 
 
 class StepWeights:
