@@ -39,8 +39,8 @@ def export_dtype(folder: str | Path, dtype: str | None, trained: torch.dtype) ->
     the drafter's own (`trained`: no target recorded, or its config names none)."""
     if dtype is not None:
         return DTYPES[dtype]
-    target = target_dir_of(folder)
-    found = config_dtype(read_json(target / "config.json")) if target is not None else None
+    target_dir = target_dir_of(folder)
+    found = config_dtype(read_json(target_dir / "config.json")) if target_dir is not None else None
     return found or trained
 
 

@@ -56,7 +56,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_latency(model, contexts, max_draft: int, reps: int = 5, plan=None, target: str = "",
+def measure_latency(model, contexts, max_draft: int, reps: int = 5, plan=None, target_name: str = "",
                     progress=None) -> dict:
     """The latency table of `model` as loaded (its device, dtype, attention), as a dict in
     `TABLE_FORMAT`. Every rep sweeps all d in turn, so load that comes and goes hits every d
@@ -109,7 +109,7 @@ def measure_latency(model, contexts, max_draft: int, reps: int = 5, plan=None, t
             times.append(1000.0 * (time.perf_counter() - t0))
     shape = target_shape(model.config)
     table = {
-        "format": TABLE_FORMAT, "version": TABLE_VERSION, "target": str(target),
+        "format": TABLE_FORMAT, "version": TABLE_VERSION, "target": str(target_name),
         "shape": {"layers": shape.num_layers, "hidden": shape.hidden_size, "heads": shape.num_heads,
                   "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab_size},
         "device": device_name(device), "device_type": device.type, "dtype": str(param.dtype).removeprefix("torch."),
@@ -369,7 +369,7 @@ def load_measured_target(source: str, device):
     return load_target(find_model_dir(source, require="target"), device=device)
 
 
-def measure_command(target: str, tile: int, tp: int, out: str, contexts=None, max_draft: int | None = None,
+def measure_command(target_path: str, tile: int, tp: int, out: str, contexts=None, max_draft: int | None = None,
                     reps: int = 5, device: str | None = None) -> str:
     """Measure, write `out`/latency.json and latency.png, and return what `plan` prints."""
     import logging
@@ -380,17 +380,17 @@ def measure_command(target: str, tile: int, tp: int, out: str, contexts=None, ma
     from draftsmith.models.tile import plan_tile, read_target_config
 
     check_replaceable(out, TABLE_FILE, "latency table")
-    plan = plan_tile(read_target_config(target), tile=tile, tp=tp)
+    plan = plan_tile(read_target_config(target_path), tile=tile, tp=tp)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_measured_target(target, device)
+    model = load_measured_target(target_path, device)
     max_draft = plan.D + PAST_TILE if max_draft is None else max_draft
     limit = getattr(model.config, "max_position_embeddings", None) or max(DEFAULT_CONTEXTS) + max_draft + 1
     contexts = list(contexts) if contexts else [c for c in DEFAULT_CONTEXTS if c + max_draft + 1 <= limit]
     if not contexts:
-        raise DraftsmithError(f"{target}: max_position_embeddings {limit} leaves no room for the default contexts "
+        raise DraftsmithError(f"{target_path}: max_position_embeddings {limit} leaves no room for the default contexts "
                               f"{', '.join(map(str, DEFAULT_CONTEXTS))}; give --contexts")
     log = logging.getLogger(__name__)
-    table = measure_latency(model, contexts, max_draft, reps, plan=plan, target=target, progress=log.info)
+    table = measure_latency(model, contexts, max_draft, reps, plan=plan, target_name=target_path, progress=log.info)
     write_table(table, out)
     return f"{format_table(table)}\n\nwrote {Path(out) / TABLE_FILE} and {Path(out) / PLOT_FILE}"
 

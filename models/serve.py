@@ -31,19 +31,19 @@ SGLANG = "python -m sglang.launch_server"
 REFERENCE_CHAIN_STEPS = 3
 
 
-def engine_args(target: str | Path) -> tuple[str, str, str]:
+def engine_args(target_dir: str | Path) -> tuple[str, str, str]:
     """(quoted target, engine dtype, SGLang's common flags): the engine's --dtype is the
     target's; the drafter's own config names its dtype (the export's)."""
-    found = config_dtype(read_json(Path(target) / "config.json"))
+    found = config_dtype(read_json(Path(target_dir) / "config.json"))
     dtype = dtype_name(found) if found else "auto"
-    model = shlex.quote(str(target))
+    model = shlex.quote(str(target_dir))
     return model, dtype, f"--model-path {model} --dtype {dtype}"
 
 
-def chain(target: str | Path, steps: int | None) -> tuple[str, int]:
+def chain(target_dir: str | Path, steps: int | None) -> tuple[str, int]:
     """SGLang's flags of an EAGLE-style chain of `steps` drafts (default: the references'),
     never past the tile rule's D, and that length; ("", 0) where the tile leaves no draft."""
-    d = plan_tile(read_target_config(target)).D
+    d = plan_tile(read_target_config(target_dir)).D
     if d < 1:
         return "", 0
     d = min(d, steps or REFERENCE_CHAIN_STEPS)

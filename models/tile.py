@@ -227,11 +227,11 @@ def format_plan(plan: TilePlan) -> str:
     return "\n".join(lines)
 
 
-def plan_command(target: str, tile: int, tp: int) -> str:
+def plan_command(target_path: str, tile: int, tp: int) -> str:
     """What `draftsmith plan` prints for one target."""
-    config = read_target_config(target)
+    config = read_target_config(target_path)
     try:
         plan = plan_tile(config, tile=tile, tp=tp)
     except DraftsmithError as exc:
-        raise DraftsmithError(f"{target}: {exc}") from None
-    return f"target {target}\n{format_plan(plan)}"
+        raise DraftsmithError(f"{target_path}: {exc}") from None
+    return f"target {target_path}\n{format_plan(plan)}"

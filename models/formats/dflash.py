@@ -135,14 +135,14 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     B - 1 drafts; SGLang's DFLASH verifies B tokens, vLLM's `dflash` drafts B - 1."""
     from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line, window_flag
 
-    target = target_dir_of(folder)
+    target_dir = target_dir_of(folder)
     if fmt == "speculators":
-        return speculators.serve(written, target)
+        return speculators.serve(written, target_dir)
     config = read_json(written / "config.json")
     block = block_size(config)
-    if target is None or block is None:
+    if target_dir is None or block is None:
         return []
-    model, dtype, common = engine_args(target)
+    model, dtype, common = engine_args(target_dir)
     out = str(written)
     return printed([], [f"{SGLANG} {common} --speculative-algorithm DFLASH --speculative-draft-model-path "
                         f"{shlex.quote(out)} --speculative-num-draft-tokens {block}" + window_flag(config),

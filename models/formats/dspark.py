@@ -241,17 +241,17 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     `num_speculative_tokens` must equal B. SpecForge's training layout no engine serves."""
     from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line
 
-    target = target_dir_of(folder)
+    target_dir = target_dir_of(folder)
     if fmt == "speculators":
-        return speculators.serve(written, target)
+        return speculators.serve(written, target_dir)
     if fmt == "specforge":
         return ["SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
                 "load --format sglang|vllm (Qwen3DSparkModel) instead"]
     config = read_json(written / "config.json")
     block = block_size(config)
-    if target is None or block is None:
+    if target_dir is None or block is None:
         return []
-    model, dtype, common = engine_args(target)
+    model, dtype, common = engine_args(target_dir)
     out = str(written)
     return printed([], [f"{SGLANG} {common} --speculative-algorithm DSPARK --speculative-draft-model-path "
                         f"{shlex.quote(out)} --speculative-num-draft-tokens {block + 1}" + _calibration_flags(written),

@@ -184,9 +184,9 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     the run's acceptance when a table is given (models/latency.py), else the references'."""
     from draftsmith.models.serve import SGLANG, chain, engine_args, printed, vllm_line, window_flag
 
-    target = target_dir_of(folder)
+    target_dir = target_dir_of(folder)
     notes = speculators.serve_notes(written) if fmt == "speculators" else []
-    if target is None:
+    if target_dir is None:
         return notes
     config = read_json(written / "config.json")
     steps = None
@@ -194,12 +194,12 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
         from draftsmith.models.latency import chain_steps
         from draftsmith.models.tile import plan_tile, read_target_config
 
-        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target)).D)
+        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target_dir)).D)
         notes.append(f"EAGLE-3 chain: {why}" if steps else f"EAGLE-3 chain: the references' length ({why})")
     if fmt == "speculators":
-        return printed(notes, [speculators.serve_line(str(written), config, target)])
-    model, dtype, common = engine_args(target)
-    flags, d = chain(target, steps)
+        return printed(notes, [speculators.serve_line(str(written), config, target_dir)])
+    model, dtype, common = engine_args(target_dir)
+    flags, d = chain(target_dir, steps)
     lines = [f"{SGLANG} {common} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
              f"{shlex.quote(str(written))} {flags}{window_flag(config)}",
              vllm_line(model, dtype, {"method": METHOD, "model": str(written), "num_speculative_tokens": d})]

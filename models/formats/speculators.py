@@ -69,16 +69,16 @@ SPECULATORS_VERSION = "0.9.0"  # the library version whose config this layout fo
 # ---------------------------------------------------------------- writing
 
 
-def chain_drafts(target: Path) -> int:
+def chain_drafts(target_dir: Path) -> int:
     """Drafts per verify a chained drafter (EAGLE-3, MTP) is served with: the references' steps
     (models/serve.py: REFERENCE_CHAIN_STEPS) within the tile rule, as the serve lines give it."""
     from draftsmith.models.serve import REFERENCE_CHAIN_STEPS
     from draftsmith.models.tile import plan_tile, read_target_config
 
-    return max(1, min(plan_tile(read_target_config(target)).D, REFERENCE_CHAIN_STEPS))
+    return max(1, min(plan_tile(read_target_config(target_dir)).D, REFERENCE_CHAIN_STEPS))
 
 
-def header(kind: str, architectures: list[str], drafts: int, target: Path, dtype: torch.dtype) -> dict:
+def header(kind: str, architectures: list[str], drafts: int, target_dir: Path, dtype: torch.dtype) -> dict:
 
     name = dtype_name(dtype)
     return {
@@ -88,20 +88,20 @@ def header(kind: str, architectures: list[str], drafts: int, target: Path, dtype
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(drafts),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name(target),
-                         "architectures": list(read_json(target / "config.json").get("architectures") or [])},
+            "verifier": {"name_or_path": verifier_name(target_dir),
+                         "architectures": list(read_json(target_dir / "config.json").get("architectures") or [])},
         },
         "dtype": name, "torch_dtype": name,
     }
 
 
-def verifier_name(target: Path) -> str:
+def verifier_name(target_dir: Path) -> str:
     """The hub id of a target read from huggingface_hub's cache (its folder
     `models--ORG--NAME/snapshots/REV`: the name `vllm serve DIR` can load), else its path."""
-    parts = Path(target).resolve().parts
+    parts = Path(target_dir).resolve().parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return parts[-3].removeprefix("models--").replace("--", "/")
-    return str(Path(target).resolve())
+    return str(Path(target_dir).resolve())
 
 
 def is_hub_name(name: str) -> bool:
@@ -110,11 +110,11 @@ def is_hub_name(name: str) -> bool:
 
 def target_dir(folder: Path) -> Path:
 
-    target = target_dir_of(folder)
-    if target is None:
+    target_dir = target_dir_of(folder)
+    if target_dir is None:
         raise DraftsmithError(f"{folder}/config.json: target {read_native_meta(folder).get('target')!r} not found; "
                               "the speculators layout names its verifier (the target) and its architectures")
-    return target
+    return target_dir
 
 
 def plain(layer: dict) -> dict:
@@ -163,28 +163,28 @@ def load(path: str | Path, target, read) -> torch.nn.Module:
         raise DraftsmithError(f"{source}: missing key {missing}") from None
 
 
-def serve(written: Path, target: Path | None) -> list[str]:
+def serve(written: Path, target_dir: Path | None) -> list[str]:
     """What `draftsmith export` prints after writing a speculators folder: why the line names
     the target (serve_notes), then the line."""
     from draftsmith.models.serve import printed
 
     notes = serve_notes(written)
-    if target is None:
+    if target_dir is None:
         return notes
-    return printed(notes, [serve_line(str(written), read_json(Path(written) / "config.json"), target)])
+    return printed(notes, [serve_line(str(written), read_json(Path(written) / "config.json"), target_dir)])
 
 
-def serve_line(out: str, config: dict, target) -> str:
+def serve_line(out: str, config: dict, target_dir) -> str:
     """vLLM reads the method and the drafts per verify from the folder (`vllm serve DIR`, the
     verifier named inside), where the verifier is a hub id; a local verifier it refuses in that
     form (serve_note), so the line then names the target and the folder."""
     from draftsmith.models.serve import engine_args, vllm_line
 
-    _, dtype, _ = engine_args(target)
+    _, dtype, _ = engine_args(target_dir)
     header = config["speculators_config"]
     if is_hub_name(header["verifier"]["name_or_path"]):
         return f"vllm serve {shlex.quote(out)} --dtype {dtype}"
-    return vllm_line(shlex.quote(str(target)), dtype, {"method": config["speculators_model_type"], "model": out,
+    return vllm_line(shlex.quote(str(target_dir)), dtype, {"method": config["speculators_model_type"], "model": out,
                                                        "num_speculative_tokens": header["proposal_methods"][0][
                                                            "speculative_tokens"]})
 
