@@ -6,6 +6,7 @@ training and held-out rows; and the settings those rows depend on, which a featu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -31,8 +32,7 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     from accelerate import PartialState
 
     from draftsmith.data.conversations import STDLIB_INSTRUCTIONS
-    from draftsmith.data.regenerate import embedded_conversations, regenerate
-    from draftsmith.processes import current_processes
+    from draftsmith.data.regenerate import embedded_conversations, regeneration, run_regeneration
 
     data = recipe.data
     embedded = data.dataset == "embedded"
@@ -44,31 +44,19 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     # Answers depend only on the target and these settings, so every drafter trained
     # against the same target shares them: they are cached under a key of both.
     target_dir = find_model_dir(recipe.target.path)
-    settings = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
-    key = hashlib.sha256(settings.encode()).hexdigest()[:16]
+    identity = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     out = cache_dir() / "regenerated" / f"{key}.jsonl"
     conversations = lambda: (embedded_conversations(data.num_conversations, data.prompt_chars)  # noqa: E731
                              if embedded else _load_dataset(data))
-    template, template_kwargs = chat_settings(recipe, tokenizer)
-    if data.regen_servers:
-        from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
-
-        with PartialState().main_process_first():  # the main process asks the servers; the others read its file
-            if not out.is_file():
-                sampling = sampling_for(target_dir, tokenizer, embedded, data.regen_max_new_tokens,
-                                        data.regen_temperature, data.regen_top_p, data.regen_top_k, recipe.train.seed,
-                                        template, template_kwargs)
-                regenerate_via_servers(data.regen_servers, (recipe.target.path, str(target_dir)), tokenizer,
-                                       conversations(), out, sampling, plain=embedded,
-                                       limits=Limits(in_flight=data.regen_in_flight), template_kwargs=template_kwargs)
-        return out, embedded
-    # Every process answers its share of the batches; the main one merges them (draftsmith/processes.py).
-    # All test the file before any can write it: the merge waits for every process.
-    if not out.is_file():
-        regenerate(target, tokenizer, conversations(), out, max_new_tokens=data.regen_max_new_tokens,
-                   temperature=data.regen_temperature, top_p=data.regen_top_p, top_k=data.regen_top_k,
-                   seed=recipe.train.seed, plain=embedded, processes=current_processes(), chat_template=template,
-                   enable_thinking=template_kwargs.get("enable_thinking"))
+    settings = regeneration(data, recipe.train.seed)
+    # Servers: the main process asks them, the others read its file. In process: every process
+    # answers its share and the main one merges them (draftsmith/processes.py); all test the
+    # file before any can write it, since the merge waits for every process.
+    with PartialState().main_process_first() if settings.servers else contextlib.nullcontext():
+        if not out.is_file():
+            run_regeneration(settings, target_dir, tokenizer, conversations, out, plain=embedded,
+                             names=(recipe.target.path,), model=target)
     return out, embedded
 
 

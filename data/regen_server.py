@@ -42,7 +42,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -75,6 +75,11 @@ class ReplyDecoding(SamplingParams):
         super().__post_init__()
         if self.max_new_tokens < 1:
             raise DraftsmithError(f"regenerate: max_new_tokens ({self.max_new_tokens}) must be positive")
+
+    def ending(self, stop_ids: list[int], tokenizer) -> ReplyDecoding:
+        """These settings ending a reply at `stop_ids`, padded with the tokenizer's pad (else the first stop)."""
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+        return replace(self, stop_ids=tuple(stop_ids), pad_id=pad)
 
 
 def stop_token_ids(generation_config, tokenizer, chat_template: str | None = None, plain: bool = False,
@@ -660,12 +665,8 @@ def _collect(clients: list[ServerClient], conversations: list[list[dict]], parti
         stop.set()  # the threads still asking finish their request and stop; nothing more is written
 
 
-def sampling_for(target_dir: str | Path, tokenizer, plain: bool, max_new_tokens: int, temperature: float,
-                 top_p: float = 1.0, top_k: int = 0, seed: int = 0, chat_template: str | None = None,
+def decoding_for(target_dir: str | Path, tokenizer, how: ReplyDecoding, plain: bool, chat_template: str | None = None,
                  template_kwargs: dict | None = None) -> ReplyDecoding:
-    """The in-process regeneration's settings for a server: the same stop tokens (from the same
-    chat template and its switches) and pad."""
-    stop = target_stop_ids(target_dir, tokenizer, plain, chat_template, template_kwargs)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
-    return ReplyDecoding(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
-                         seed=seed, stop_ids=tuple(stop), pad_id=pad)
+    """`how` for a server, ending where the in-process regeneration ends: the same stop tokens
+    (from the same chat template and its switches) and pad, read without loading the weights."""
+    return how.ending(target_stop_ids(target_dir, tokenizer, plain, chat_template, template_kwargs), tokenizer)

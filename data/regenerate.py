@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +28,28 @@ from draftsmith.errors import DiskFull, DraftsmithError
 from draftsmith.fsutil import atomic_file, check_not_an_input, full_disk_reason, is_disk_full, write_failure
 from draftsmith.logs import show_progress
 from draftsmith.processes import Processes
+from draftsmith.recipe import DataSection
+
+
+@dataclass(frozen=True)
+class Regeneration:
+    """One regeneration's settings, built once where they are read (the command's flags over
+    the recipe, or a post-hoc run's recipe) and passed down whole."""
+
+    decoding: ReplyDecoding  # sampling, length, seed; the stop tokens and pad are the target's, added below
+    chat_template: str = ""  # a Jinja file or a built-in's name; empty: the tokenizer's
+    enable_thinking: bool | None = None  # unset: off where the template has the switch
+    servers: tuple[str, ...] = ()  # OpenAI-compatible servers that answer; none: the target in this process
+    in_flight: int = 16  # requests in flight per server
+    batch_size: int = 8  # in process: prompts answered per generate call
+
+
+def regeneration(data: DataSection, seed: int, batch_size: int = 8) -> Regeneration:
+    """The regeneration a recipe's data section (the command's flags already over it) and seed ask for."""
+    decoding = ReplyDecoding(temperature=data.regen_temperature, top_k=data.regen_top_k, top_p=data.regen_top_p,
+                             max_new_tokens=data.regen_max_new_tokens, seed=seed)
+    return Regeneration(decoding, data.chat_template, data.enable_thinking, tuple(data.regen_servers),
+                        data.regen_in_flight, batch_size)
 
 
 def embedded_conversations(count: int, max_chars: int = 512, split: str = "train") -> list[list[dict]]:
@@ -90,15 +114,15 @@ def _rank_file(base: Path, rank: int, world: int) -> Path:
     return base if world == 1 else base.with_name(f"{base.name}.rank{rank}of{world}")
 
 
-def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path,
-               max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
-               chat_template: str | None = None, plain: bool = False, top_p: float = 1.0, top_k: int = 0,
+def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path, how: ReplyDecoding,
+               batch_size: int = 8, chat_template: str | None = None, plain: bool = False,
                processes: Processes | None = None, enable_thinking: bool | None = None) -> Path:
     """Write `conversations` to `out_path` (JSON Lines of `{"messages": [...]}`) with target replies.
 
-    `temperature` 0 decodes greedily; above 0 it samples from the target's distribution at
+    `how.temperature` 0 decodes greedily; above 0 it samples from the target's distribution at
     that temperature, restricted by `top_k` (0: off) and `top_p` (1: off), seeded per batch
-    from `seed`, so the same seed gives the same file. `plain=True`
+    from `how.seed`, so the same seed gives the same file; replies are at most
+    `how.max_new_tokens` long and end at the target's stop tokens. `plain=True`
     prompts with the concatenated contents instead of the chat template (see data/chat.py).
     `chat_template` is template text (None: the tokenizer's); `enable_thinking` reaches
     templates with the switch (unset: off; see `thinking_kwargs`).
@@ -112,16 +136,14 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
         raise DraftsmithError(f"regenerate: batch_size ({batch_size}) must be positive")
     template = None if plain else resolve_template(tokenizer, chat_template)
     template_kwargs = thinking_kwargs(template, enable_thinking)
-    stop_ids = stop_token_ids(target.generation_config, tokenizer, chat_template, plain, template_kwargs)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    how = ReplyDecoding(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                        stop_ids=tuple(stop_ids), pad_id=pad_id)
+    how = how.ending(stop_token_ids(target.generation_config, tokenizer, chat_template, plain, template_kwargs),
+                     tokenizer)
     for index, messages in enumerate(conversations):  # a bad record fails before a partial file exists
         user_turns(messages, index)
     # The embedding sum tells a retrained target from the one that wrote an old partial file.
     weights = float(target.get_input_embeddings().weight.detach().double().sum())
-    base = partial_path(out_path, [getattr(target, "name_or_path", ""), weights, conversations, max_new_tokens,
-                                   temperature, seed, batch_size, template, top_p, top_k]
+    base = partial_path(out_path, [getattr(target, "name_or_path", ""), weights, conversations, how.max_new_tokens,
+                                   how.temperature, how.seed, batch_size, template, how.top_p, how.top_k]
                         + ([template_kwargs] if template_kwargs else []))  # the key of older runs stays
     procs = processes or Processes()
     total = len(conversations)
@@ -184,48 +206,55 @@ def _append_batches(target, tokenizer, conversations, partial: Path, done: int, 
             bar.update(len(batch))
 
 
-def regenerate_command(target: str, dataset: str | None, out: str, max_new_tokens: int = 256,
-                       temperature: float = 0.0, batch_size: int = 8, limit: int | None = None,
-                       seed: int = 0, top_p: float = 1.0, top_k: int = 0, servers: list[str] = (),
-                       in_flight: int = 16, target_name: str = "", dataset_config: str = "",
-                       dataset_split: str = "", columns: dict[str, str] | None = None, chat_template: str = "",
-                       enable_thinking: bool | None = None) -> Path:
-    """`draftsmith data regenerate`: a target folder (with its tokenizer) answers a conversation file.
-
-    With no dataset, the prompts are `limit` (default 256) excerpts of the embedded corpus
-    and the target continues them as plain text, as it was pretrained. With `servers`, the
-    target is not loaded: the servers (which must serve it, as `target_name` or its folder)
-    answer; else every process of an `accelerate launch` answers its share. `chat_template`
-    (a file or built-in name) and `enable_thinking` are the recipe's `data.` keys of those names.
-    """
+def regenerate_command(target: str, out: str, settings: Regeneration, data: DataSection, limit: int | None = None,
+                       target_name: str = "") -> Path:
+    """`draftsmith data regenerate`: a target folder (with its tokenizer) answers the conversations
+    of `data.dataset` (its config, split and columns), at most `limit`; "embedded": `limit`
+    (default 256) excerpts of the embedded corpus, which the target continues as plain text, as
+    it was pretrained. Servers may list the target as `target_name` or its folder."""
     from draftsmith.data.conversations import load_conversations
-    from draftsmith.data.tokenizer import check_fits, load_pretrained_tokenizer
-    from draftsmith.models.target import load_target
-    from draftsmith.processes import current_processes
+    from draftsmith.data.tokenizer import load_pretrained_tokenizer
 
-    check_not_an_input(out, {"--dataset": dataset, "--target": target})  # before any answer is generated
+    embedded = data.dataset == "embedded"
+    check_not_an_input(out, {"--dataset": None if embedded else data.dataset, "--target": target})  # before any answer
     tokenizer = load_pretrained_tokenizer(target)
-    template, template_kwargs = chat_format(tokenizer, chat_template, enable_thinking, plain=not dataset)
-    if dataset:
-        conversations = load_conversations(dataset, limit, config=dataset_config, split=dataset_split,
-                                           columns=columns)
-    else:
+
+    def conversations() -> list[list[dict]]:
+        if not embedded:
+            return load_conversations(data.dataset, limit, config=data.dataset_config, split=data.dataset_split,
+                                      columns=data.columns)
         if limit is not None and limit < 1:
             raise DraftsmithError(f"regenerate: --limit must be at least 1, got {limit}")
-        conversations = embedded_conversations(256 if limit is None else limit)
-    if servers:
-        from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
+        return embedded_conversations(256 if limit is None else limit)
 
-        sampling = sampling_for(target, tokenizer, not dataset, max_new_tokens, temperature, top_p, top_k, seed,
-                                template, template_kwargs)
-        return regenerate_via_servers(list(servers), tuple(n for n in (target_name, str(target)) if n), tokenizer,
-                                      conversations, out, sampling, plain=not dataset,
-                                      limits=Limits(in_flight=in_flight), template_kwargs=template_kwargs)
+    return run_regeneration(settings, target, tokenizer, conversations, out, plain=embedded, names=(target_name,))
+
+
+def run_regeneration(settings: Regeneration, target_dir: str | Path, tokenizer,
+                     conversations: Callable[[], list[list[dict]]], out: str | Path, plain: bool,
+                     names: tuple[str, ...] = (), model=None) -> Path:
+    """Answer `conversations()` into `out`: the one choice of who answers. With servers, they do
+    (the target, which they may list under `names` or its folder, is not loaded here); else
+    the target in this process (`model`, else loaded), every process of a launch its share.
+    The chat template is read before the conversations, so a bad one fails first."""
+    from draftsmith.processes import current_processes
+
+    template, template_kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=plain)
+    asked = conversations()
+    if settings.servers:
+        from draftsmith.data.regen_server import Limits, decoding_for, regenerate_via_servers
+
+        how = decoding_for(target_dir, tokenizer, settings.decoding, plain, template, template_kwargs)
+        return regenerate_via_servers(list(settings.servers), tuple(n for n in (*names, str(target_dir)) if n),
+                                      tokenizer, asked, out, how, plain=plain,
+                                      limits=Limits(in_flight=settings.in_flight), template_kwargs=template_kwargs)
     processes = current_processes()
-    model = load_target(target, device=processes.device or ("cuda" if torch.cuda.is_available() else None))
-    check_fits(tokenizer, model.get_input_embeddings().num_embeddings, target, target)
-    return regenerate(model, tokenizer, conversations, out, max_new_tokens=max_new_tokens,
-                      temperature=temperature, seed=seed, batch_size=batch_size, plain=not dataset,
-                      top_p=top_p, top_k=top_k, processes=processes, chat_template=template,
-                      enable_thinking=template_kwargs.get("enable_thinking"))
+    if model is None:
+        from draftsmith.data.tokenizer import check_fits
+        from draftsmith.models.target import load_target
 
+        model = load_target(target_dir, device=processes.device or ("cuda" if torch.cuda.is_available() else None))
+        check_fits(tokenizer, model.get_input_embeddings().num_embeddings, target_dir, target_dir)
+    return regenerate(model, tokenizer, asked, out, settings.decoding, batch_size=settings.batch_size,
+                      chat_template=template, plain=plain, processes=processes,
+                      enable_thinking=template_kwargs.get("enable_thinking"))

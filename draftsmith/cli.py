@@ -7,18 +7,15 @@ that escapes is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import shlex
 import sys
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.fields import Flags
 from draftsmith.fsutil import output_lock
 from draftsmith.registry import METHODS, decode_options, export_formats, import_ref, posthoc, proposer_names
-
-
-def pick(flag, default):
-    """A flag given on the command line (not None), else the recipe's (or built-in) value."""
-    return default if flag is None else flag
 
 
 def _train(args) -> int | None:
@@ -58,32 +55,42 @@ def _plan(args) -> None:
 
 
 def _eval(args) -> None:
-    from draftsmith.eval.evaluate import EvalSettings, evaluate, print_summary
-    from draftsmith.recipe import DataSection, EvalSection, TargetSection, load_recipe
+    from draftsmith.eval.evaluate import evaluate, print_summary
+    from draftsmith.eval.settings import EvalSettings
+    from draftsmith.recipe import Recipe, load_recipe
 
-    # A recipe's `eval` section gives the defaults; flags on the command line win.
-    recipe = load_recipe(args.recipe) if args.recipe else None
-    defaults = recipe.eval if recipe else EvalSection()
-    recipe_data = recipe.data if recipe else DataSection()  # the chat settings the drafters were trained with
-    target = recipe.target if recipe else TargetSection()  # the tile the drafters were sized for
-    num_draft = pick(args.num_draft, defaults.num_draft)
-    settings = EvalSettings(
-        dataset=args.dataset, num_prompts=pick(args.num_prompts, defaults.num_prompts),
-        max_new_tokens=pick(args.max_new_tokens, defaults.max_new_tokens),
-        temperatures=args.temperature or [defaults.temperature], top_k=pick(args.top_k, defaults.top_k),
-        top_p=pick(args.top_p, defaults.top_p), seed=pick(args.seed, defaults.seed),
-        num_draft=None if num_draft == -1 else num_draft,  # the flag's -1 is the recipe's null: the tile rule
-        latency_table=args.latency_table or "", calibration_prompts=args.calibration_prompts,
-        tile=pick(args.tile, target.tile),
-        prompt_chars=args.prompt_chars, min_prompt_tokens=args.min_prompt_tokens,
-        drafters=args.drafter,
-        cache=args.cache, compile=args.compile,
-        proposer_options=_proposer_options(args),
-        chat_template=pick(args.chat_template, recipe_data.chat_template),
-        enable_thinking=pick(args.enable_thinking, recipe_data.enable_thinking),
-    )
+    # A recipe's eval section, target.tile (what the drafters were sized for) and chat settings
+    # (what they were trained with) give the defaults; flags given win.
+    recipe = load_recipe(args.recipe) if args.recipe else Recipe()
+    section, own, tile, chat = _eval_flags()
+    data = chat.over(args, recipe.data)
+    settings = EvalSettings(**vars(section.over(args, recipe.eval)), **own.given(args),
+                            tile=tile.over(args, recipe.target).tile, chat_template=data.chat_template,
+                            enable_thinking=data.enable_thinking, proposer_options=_proposer_options(args))
     with output_lock(args.out):  # one writer per --out: a second eval into it is refused in one line
         print_summary(evaluate(args.target, settings, args.out), args.out)
+
+
+def _eval_flags() -> tuple[Flags, Flags, Flags, Flags]:
+    """eval's flags: the eval section's (its temperature is --temperature's default), the
+    command's own, target.tile and the chat settings."""
+    from draftsmith.eval.settings import EvalSettings
+    from draftsmith.recipe import EvalSection, TargetSection
+
+    section = tuple(f.name for f in dataclasses.fields(EvalSection) if f.name != "temperature")
+    own = tuple(f.name for f in dataclasses.fields(EvalSettings) if f.name not in {*section, "temperature"})
+    return (Flags(EvalSection, "eval", section), Flags(EvalSettings, names=own, rename=EVAL_RENAMES),
+            Flags(TargetSection, "target", ("tile",)), _chat_flags())
+
+
+# Repeatable flags are named for one value.
+EVAL_RENAMES = {"temperatures": "temperature", "drafters": "drafter"}
+
+
+def _chat_flags() -> Flags:
+    from draftsmith.recipe import DataSection
+
+    return Flags(DataSection, "data", ("chat_template", "enable_thinking"))
 
 
 def _proposer_options(args) -> dict[str, dict]:
@@ -98,31 +105,34 @@ def _proposer_options(args) -> dict[str, dict]:
 
 
 def _regenerate(args) -> None:
-    from draftsmith.data.regenerate import regenerate_command
+    from draftsmith.data.regenerate import regenerate_command, regeneration
     from draftsmith.models.target import find_model_dir
     from draftsmith.recipe import Recipe, load_recipe
 
     # A recipe gives the target, the dataset, the servers and the sampling; flags win over it.
     recipe = load_recipe(args.recipe) if args.recipe else Recipe()
-    data = recipe.data
-    target = pick(args.target, recipe.target.path)
+    data_flags, seed_flag = _regenerate_flags()
+    data = data_flags.over(args, recipe.data)
+    if hasattr(args, "dataset"):  # another dataset than the recipe's: its data.columns are not this one's
+        data = dataclasses.replace(data, columns={})
+    target = args.target or recipe.target.path
     if not target:
         raise DraftsmithError("data regenerate: give --target (or a --recipe with target.path)")
-    dataset = pick(args.dataset, data.dataset if data.dataset != "embedded" else None)
+    settings = regeneration(data, seed_flag.over(args, recipe.train).seed, batch_size=args.batch_size)
     with output_lock(args.out):  # two regenerations would share one partial file (answers doubled)
-        out = regenerate_command(str(find_model_dir(target)), dataset, args.out,
-                                 max_new_tokens=pick(args.max_new_tokens, data.regen_max_new_tokens),
-                                 temperature=pick(args.temperature, data.regen_temperature),
-                                 top_p=pick(args.top_p, data.regen_top_p), top_k=pick(args.top_k, data.regen_top_k),
-                                 seed=pick(args.seed, recipe.train.seed), batch_size=args.batch_size, limit=args.limit,
-                                 servers=pick(args.server, data.regen_servers),
-                                 in_flight=pick(args.in_flight, data.regen_in_flight), target_name=target,
-                                 dataset_config=pick(args.dataset_config, data.dataset_config),
-                                 dataset_split=pick(args.dataset_split, data.dataset_split),
-                                 columns=data.columns if args.dataset is None else None,
-                                 chat_template=pick(args.chat_template, data.chat_template),
-                                 enable_thinking=pick(args.enable_thinking, data.enable_thinking))
+        out = regenerate_command(str(find_model_dir(target)), args.out, settings, data, limit=args.limit,
+                                 target_name=target)
     print(f"wrote {out}")
+
+
+def _regenerate_flags() -> tuple[Flags, Flags]:
+    """data regenerate's flags: the data section's (its regen_ keys without the prefix) and train.seed."""
+    from draftsmith.recipe import DataSection, TrainSection
+
+    regen = tuple(f.name for f in dataclasses.fields(DataSection) if f.name.startswith("regen_"))
+    names = ("dataset", "dataset_config", "dataset_split", *regen, "chat_template", "enable_thinking")
+    return (Flags(DataSection, "data", names, drop="regen_", rename={"regen_servers": "server"}),
+            Flags(TrainSection, "train", ("seed",)))
 
 
 def _prepare(args) -> None:
@@ -197,22 +207,9 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _num_draft(text: str) -> int | str:
-    """--num-draft: a whole number, or `auto`."""
-    return "auto" if text == "auto" else int(text)
-
-
 def _int_list(text: str) -> list[int]:
     """`256,1024` -> [256, 1024] (argparse shows a ValueError as its own one line)."""
     return [int(part) for part in text.split(",") if part.strip()]
-
-
-def _recipe_default(key: str) -> str:
-    """An unset flag's default: the --recipe's `key`, else the built-in recipe's value."""
-    from draftsmith.recipe import Recipe
-
-    section, name = key.split(".")
-    return f"(default: the recipe's {key}, else {getattr(getattr(Recipe(), section), name)!r})"
 
 
 DESCRIPTION = ("Train speculative-decoding drafters (EAGLE-3, DFlash, DSpark, MTP, a draft LM) for a target model,\n"
@@ -234,6 +231,8 @@ RECIPE_HELP = "a YAML recipe, e.g. recipes/tiny/mtp.yaml (default: none, the bui
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from draftsmith.eval.settings import AUTO, TILE, num_draft_arg
+
     # Subparsers take the parent's class, so every subcommand gets the formatter.
     parser = _Parser(prog="draftsmith", description=DESCRIPTION, epilog=EXAMPLES)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -273,49 +272,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="decode with drafters, check them losslessly, write the report")
     p.add_argument("--target", required=True, help="the target: a model folder, a training run folder or a hub name")
-    p.add_argument("--drafter", action="append", required=True, metavar="SPEC",
-                   help="[LABEL=]NAME[:PATH], repeatable (LABEL names the report's row; default NAME): " + ", ".join(
-                       name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items()))
-    p.add_argument("--dataset", default="embedded",
-                   help="a benchmark by name (" + ", ".join(_benchmarks()) + "; every user turn), a jsonl of "
-                        "turns/conversations/messages/prompt, a dataset folder or hub name, or 'embedded' "
-                        "(default: embedded)")
-    p.add_argument("--recipe", default=None, help="take the defaults below from this recipe's eval section "
-                                                  "(default: none, the built-in eval defaults)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="prompts, or conversations of a conversation dataset (every user turn of each); "
-                        "default 8 (eval.num_prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (eval.max_new_tokens)")
-    p.add_argument("--temperature", type=float, action="append", default=None,
-                   help="0 = greedy (checked token for token against plain decoding); repeat for one report each "
-                        "(default: eval.temperature, 0)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k likeliest tokens only (0: all) "
-                   + _recipe_default("eval.top_k"))
-    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of mass p (1: all) "
-                   + _recipe_default("eval.top_p"))
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampled decodes " + _recipe_default("eval.seed"))
-    p.add_argument("--num-draft", type=_num_draft, default=None, metavar="N|auto",
-                   help="drafts per verify (default eval.num_draft; -1: the tile rule's D; auto: per drafter, the D "
-                        "that maximises expected tokens/s from its acceptance on a calibration split and the "
-                        "verify latency table, capped by the tile rule on GPUs)")
-    p.add_argument("--latency-table", default=None, metavar="DIR|FILE",
-                   help="--num-draft auto: a `draftsmith plan TARGET --measure` table of this device (default: "
-                        "none, eval measures one first)")
-    p.add_argument("--calibration-prompts", type=int, default=4,
-                   help="--num-draft auto: prompts, disjoint from the evaluated ones, that calibrate each drafter")
-    p.add_argument("--prompt-chars", type=int, default=400, help="embedded prompts: characters of held-out source each")
-    p.add_argument("--min-prompt-tokens", type=int, default=0,
-                   help="long-context eval: only prompts (a conversation's first turn) of at least this many tokens, "
-                        "drawn from 8x --num-prompts candidates (0: all)")
-    p.add_argument("--tile", type=int, default=None, help="rows of the verify kernel's tile; sizes the tile rule's D "
-                   + _recipe_default("target.tile"))
-    p.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
-                   help="the target's KV cache: dynamic (grows) or static (preallocated, fixed addresses)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the verify forward (CUDA graphs on CUDA); needs --cache static")
+    p.add_argument("--recipe", default=None, help="take the defaults below from this recipe's eval section, "
+                                                  "target.tile and chat settings (default: none, the built-in ones)")
+    section, own, tile, chat = _eval_flags()
+    section.add(p, num_draft=dict(type=num_draft_arg, metavar=f"N|{TILE}|{AUTO}", help=(
+        f"{AUTO}: per drafter, the D that maximises expected tokens/s from its acceptance on a calibration split "
+        "and the verify latency table, capped by the tile rule on GPUs")))
+    own.add(p, drafters=dict(required=True, metavar="SPEC", help="NAME: " + ", ".join(
+        name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items())),
+        cache=dict(choices=["dynamic", "static"]), latency_table=dict(metavar="DIR|FILE"))
+    tile.add(p)
     for _, option in decode_options():  # each method's own per-run options (registry.py)
         p.add_argument(option.flag, type=option.type, default=None, metavar=option.metavar or None, help=option.help)
-    _chat_flags(p, "the recipe's data.{}, else ")
+    chat.add(p, chat_template=dict(metavar="FILE_OR_NAME"))
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
     p.set_defaults(handler=_eval)
 
@@ -338,38 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("regenerate", help="answer a dataset's prompts with the target itself (resumable)")
     p.add_argument("--target", default=None,
                    help="a model folder or a training run folder (default: the recipe's target.path)")
-    p.add_argument("--dataset", default=None,
-                   help="conversations jsonl, a dataset folder or hub name (default: the recipe's, else "
-                        "embedded corpus prompts)")
-    p.add_argument("--dataset-config", default=None,
-                   help="config of a dataset folder or hub dataset (default: the recipe's data.dataset_config, "
-                        "else the dataset's default)")
-    p.add_argument("--dataset-split", default=None,
-                   help="split of a dataset folder or hub dataset " + _recipe_default("data.dataset_split"))
     p.add_argument("--recipe", default=None,
                    help="take the target, dataset (with data.columns), servers and sampling settings from this "
                         "recipe's target, data and train.seed (default: none)")
-    p.add_argument("--server", action="append", default=None, metavar="URL",
-                   help="an OpenAI-compatible server serving the target (vLLM, SGLang, TGI, transformers "
-                        "serve); repeatable; the target is then not loaded here (default: the recipe's "
-                        "data.regen_servers, else none: in-process)")
-    p.add_argument("--in-flight", type=int, default=None,
-                   help="requests in flight per server " + _recipe_default("data.regen_in_flight"))
+    data_flags, seed_flag = _regenerate_flags()
+    data_flags.add(p, regen_servers=dict(metavar="URL"), chat_template=dict(metavar="FILE_OR_NAME"))
+    seed_flag.add(p)
     p.add_argument("--out", required=True, help="the jsonl to write (OpenAI messages shape)")
-    p.add_argument("--max-new-tokens", type=int, default=None,
-                   help="longest answer the target writes " + _recipe_default("data.regen_max_new_tokens"))
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0: greedy; above 0: sampled " + _recipe_default("data.regen_temperature"))
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass when sampling; 1: off "
-                   + _recipe_default("data.regen_top_p"))
-    p.add_argument("--top-k", type=int, default=None, help="likeliest tokens kept when sampling; 0: off "
-                   + _recipe_default("data.regen_top_k"))
     p.add_argument("--batch-size", type=int, default=8, help="prompts answered per generate call")
     p.add_argument("--limit", type=int, default=None,
                    help="at most this many conversations (default: all of --dataset; without one, 256 excerpts "
                         "of the embedded corpus)")
-    p.add_argument("--seed", type=int, default=None, help="seed of sampled answers " + _recipe_default("train.seed"))
-    _chat_flags(p, "the recipe's data.{}, else ")
     p.set_defaults(handler=_regenerate)
 
     p = data.add_parser("prepare", help="write a dataset the references train on as a messages jsonl")
@@ -398,26 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _benchmarks() -> list[str]:
-    from draftsmith.eval.prompts import BENCHMARKS
-
-    return list(BENCHMARKS)
-
-
 def _prepare_names() -> list[str]:
     from draftsmith.data.prepare import SOURCES
 
     return list(SOURCES)
-
-
-def _chat_flags(p, default: str) -> None:
-    """--chat-template and --enable-thinking, the recipe's data keys of those names."""
-    p.add_argument("--chat-template", default=None, metavar="FILE_OR_NAME",
-                   help="a Jinja chat template file or a built-in (chatml) (default: "
-                        + default.format("chat_template") + "the tokenizer's)")
-    p.add_argument("--enable-thinking", default=None, action=argparse.BooleanOptionalAction,
-                   help="templates with a thinking switch (Qwen3): think before answering (default: "
-                        + default.format("enable_thinking") + "off where the template has the switch)")
 
 
 def quiet_libraries() -> None:

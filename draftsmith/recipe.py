@@ -140,7 +140,7 @@ class EvalSection:
     top_k: int = option(0, "eval: sample from the k likeliest tokens only (0: all)")
     top_p: float = option(1.0, "eval: sample from the smallest set of tokens of mass p (1: all)")
     seed: int = option(0, "eval: seed of the sampled decodes")
-    num_draft: int | None = option(None, "eval: drafts per verify (null: the tile rule's D; on the command line: tile)")
+    num_draft: int | None = option(None, "eval: drafts per verify; null: the tile rule's D (--num-draft tile)")
 
     def sampling(self, temperature: float | None = None) -> SamplingParams:
         """How eval draws a token at `temperature` (None: this section's); SamplingParams holds

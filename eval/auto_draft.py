@@ -37,10 +37,6 @@ from draftsmith.models.latency import (
     measure_latency,
 )
 
-AUTO = "auto"
-# Calibration prompts per drafter, decoded twice (at the cap and at D = 1).
-CALIBRATION_PROMPTS = 4
-
 
 @dataclass
 class AutoPlan:
@@ -91,7 +87,7 @@ def plan_auto(target, plan, prompts: list[torch.Tensor], split: str, max_new_tok
         if limit is not None:
             top = max(0, min(top, limit - measured_at - 1))
         table = LatencyTable.check(measure_latency(target, [measured_at], top, reps=3, plan=plan,
-                                                   target="the eval target", progress=progress),
+                                                   target_name="the eval target", progress=progress),
                                    "latency table measured by eval")
         table.source = "measured by this eval"
     cap = min(table.max_draft, plan.D) if device.type == "cuda" else table.max_draft

@@ -14,13 +14,12 @@ decoding: a mismatch is a bug in a drafter or the decoder, and the run stops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.auto_draft import AUTO, CALIBRATION_PROMPTS
 from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
 from draftsmith.eval.proposers import parse_drafter_arg, proposer_from_arg
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
@@ -36,34 +35,11 @@ from draftsmith.eval.report import (
     write_index,
     write_report,
 )
+from draftsmith.eval.settings import AUTO, NUM_DRAFT_WORDS, EvalSettings
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.latency import PAST_TILE
 from draftsmith.models.target import find_model_dir
 from draftsmith.models.tile import plan_tile, read_target_config
-
-
-@dataclass
-class EvalSettings:
-    dataset: str = "embedded"
-    num_prompts: int = 8
-    max_new_tokens: int = 64
-    temperatures: list[float] = field(default_factory=lambda: [0.0])  # one report each
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    num_draft: int | str | None = None  # None: the tile rule; "auto": per drafter, eval/auto_draft.py
-    latency_table: str = ""  # --num-draft auto: a `plan --measure` folder or latency.json ("" : measured here)
-    calibration_prompts: int = CALIBRATION_PROMPTS  # --num-draft auto: prompts that calibrate each drafter
-    tile: int = 128
-    prompt_chars: int = 400  # embedded prompts: characters of held-out source per prompt
-    min_prompt_tokens: int = 0  # only prompts (a conversation's first turn) at least this long: long-context eval
-    drafters: list[str] = field(default_factory=list)
-    cache: str = "dynamic"  # the target's KV cache: "dynamic" or "static"
-    compile: bool = False  # the verify forward under torch.compile (CUDA graphs on CUDA); static cache only
-    # Per-run proposer options by method name, e.g. {"dspark": {"confidence_threshold": 0.3}}.
-    proposer_options: dict[str, dict] = field(default_factory=dict)
-    chat_template: str = ""  # a Jinja file or built-in name; empty: the tokenizer's (data/chat.py)
-    enable_thinking: bool | None = None  # None: off where the template has the switch
 
 
 def prompt_ids(tokenizer, settings: EvalSettings, context: int, count: int | None = None, split: str = "test",
@@ -215,12 +191,12 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     if not auto and settings.latency_table:
         raise DraftsmithError("eval: --latency-table prices the passes of --num-draft auto; give both or neither")
     if not auto and settings.num_draft is not None and settings.num_draft < 1:
-        raise DraftsmithError(f"eval: --num-draft must be at least 1, or -1 for the tile rule; got {settings.num_draft}")
+        raise DraftsmithError(f"eval: --num-draft must be {NUM_DRAFT_WORDS}; got {settings.num_draft}")
     for arg in settings.drafters:
         parse_drafter_arg(arg)
     labels: dict[str, float] = {}
-    for t in settings.temperatures:
-        SamplingParams(t, settings.top_k, settings.top_p)  # validates
+    for t in settings.each_temperature():
+        settings.sampling(t)  # validates
         label = temperature_label(t)
         if label in labels:  # its report would replace the first's
             raise DraftsmithError(f"eval: --temperature {labels[label]:g} and --temperature {t!r} are one setting "
@@ -242,8 +218,8 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
                  for arg in settings.drafters]
 
     runs = []
-    for temperature in settings.temperatures:
-        sampling = SamplingParams(temperature, settings.top_k, settings.top_p)
+    for temperature in settings.each_temperature():
+        sampling = settings.sampling(temperature)
         results = _run(target, proposers, source, settings, sampling, num_draft, eos, auto_plan)
         results["target"] = {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile,
                              "D": plan.D if auto else num_draft}

@@ -59,7 +59,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from draftsmith.data.local_server import LocalServer
-    from draftsmith.data.regen_server import Limits, ServerClient, regenerate_via_servers, sampling_for
+    from draftsmith.data.regen_server import Limits, ReplyDecoding, ServerClient, decoding_for, regenerate_via_servers
     from draftsmith.data.regenerate import embedded_conversations, regenerate
     from draftsmith.data.tokenizer import load_pretrained_tokenizer
     from draftsmith.models.target import load_target
@@ -70,7 +70,8 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else None
     conversations = [[{"role": "user", "content": c[0]["content"]}]
                      for c in embedded_conversations(args.prompts, args.prompt_chars)]
-    sampling = sampling_for(target_dir, tokenizer, False, args.new_tokens, 0.0)
+    greedy = ReplyDecoding(max_new_tokens=args.new_tokens)
+    sampling = decoding_for(target_dir, tokenizer, greedy, False)
     limits = Limits(in_flight=args.in_flight)
 
     server = None
@@ -85,8 +86,7 @@ def main() -> int:
 
         model = load_target(target_dir, device=device)
         start = time.perf_counter()
-        local = regenerate(model, tokenizer, conversations, work / "local.jsonl", max_new_tokens=args.new_tokens,
-                           batch_size=args.batch_size)
+        local = regenerate(model, tokenizer, conversations, work / "local.jsonl", greedy, batch_size=args.batch_size)
         local_s = time.perf_counter() - start
         del model
 

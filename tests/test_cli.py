@@ -106,13 +106,42 @@ def test_eval_takes_the_recipes_sampling_seed_and_tile_and_flags_win(monkeypatch
     monkeypatch.setattr(evaluate, "evaluate", lambda target, settings, out: asked.append(settings))
     monkeypatch.setattr(evaluate, "print_summary", lambda *a: None)
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(json.dumps({"target": {"tile": 64}, "eval": {"top_k": 20, "top_p": 0.8, "seed": 7}}))
+    recipe.write_text(json.dumps({"target": {"tile": 64}, "eval": {"top_k": 20, "top_p": 0.8, "seed": 7,
+                                                                   "num_draft": 5, "temperature": 0.5}}))
     base = ["eval", "--target", "t", "--drafter", "ngram", "--out", str(tmp_path / "r")]
     assert main([*base, "--recipe", str(recipe)]) == 0
-    assert main([*base, "--recipe", str(recipe), "--top-k", "0", "--top-p", "1", "--seed", "1", "--tile", "128"]) == 0
+    assert main([*base, "--recipe", str(recipe), "--top-k", "0", "--top-p", "1", "--seed", "1", "--tile", "128",
+                 "--num-draft", "tile", "--temperature", "0", "--temperature", "1"]) == 0
     assert main(base) == 0
-    got = [(s.top_k, s.top_p, s.seed, s.tile) for s in asked]
-    assert got == [(20, 0.8, 7, 64), (0, 1.0, 1, 128), (0, 1.0, 0, 128)]
+    got = [(s.top_k, s.top_p, s.seed, s.tile, s.num_draft, s.each_temperature()) for s in asked]
+    # `--num-draft tile` is the recipe's null: the tile rule's D.
+    assert got == [(20, 0.8, 7, 64, 5, [0.5]), (0, 1.0, 1, 128, None, [0.0, 1.0]), (0, 1.0, 0, 128, None, [0.0])]
+
+
+def test_eval_sampling_and_draft_count_are_checked_by_one_rule_each(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({"eval": {"top_p": 1.5}}))
+    with pytest.raises(DraftsmithError, match=r"eval: sampling top_p must be in \(0, 1\], got 1.5"):
+        load_recipe(recipe)
+    base = ["eval", "--target", "t", "--drafter", "ngram", "--out", str(tmp_path / "r")]
+    for flags, message in ((["--top-p", "1.5"], "sampling top_p must be in (0, 1], got 1.5"),
+                           (["--num-draft", "-1"], "--num-draft must be a number of at least 1, tile (the tile rule's "
+                                                   "D) or auto; got -1")):
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_eval_and_regenerate_flags_are_derived_from_the_recipe_fields():
+    from draftsmith.recipe import EvalSection
+
+    leaves = dict(leaf_parsers(build_parser()))
+    flags = {words: {s for a in p._actions for s in a.option_strings} for words, p in leaves.items()}
+    assert {"--" + f.name.replace("_", "-") for f in dataclasses.fields(EvalSection)} <= flags[("eval",)]
+    regen = {"--" + f.name.removeprefix("regen_").replace("_", "-") for f in dataclasses.fields(DataSection)
+             if f.name.startswith("regen_") and f.name != "regen_servers"}
+    assert regen | {"--server", "--seed", "--chat-template", "--enable-thinking"} <= flags[("data", "regenerate")]
+    help_text = " ".join(leaves[("data", "regenerate")].format_help().split())
+    assert DataSection.__dataclass_fields__["regen_top_p"].metadata["help"] in help_text
 
 
 # ---------------------------------------------------------------- data regenerate
@@ -122,7 +151,13 @@ def regenerate_settings(monkeypatch, *argv) -> dict:
     import draftsmith.data.regenerate as regen
 
     asked = {}
-    monkeypatch.setattr(regen, "regenerate_command", lambda target, dataset, out, **kw: asked.update(kw) or out)
+
+    def command(target, out, settings, data, **kw):
+        asked.update(vars(settings.decoding), in_flight=settings.in_flight, servers=settings.servers,
+                     batch_size=settings.batch_size, dataset_split=data.dataset_split, **kw)
+        return out
+
+    monkeypatch.setattr(regen, "regenerate_command", command)
     assert main(["data", "regenerate", "--out", "o.jsonl", *argv]) == 0
     return asked
 

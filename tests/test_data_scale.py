@@ -18,7 +18,7 @@ from draftsmith.data.conversations import load_conversations
 from draftsmith.data.corpus import load_embedded_corpus
 from draftsmith.data.feature_cache import write_feature_cache
 from draftsmith.data.local_server import LocalServer, free_port
-from draftsmith.data.regen_server import Limits, regenerate_via_servers, sampling_for
+from draftsmith.data.regen_server import Limits, ReplyDecoding, decoding_for, regenerate_via_servers
 from draftsmith.data.regenerate import embedded_conversations, regenerate
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
@@ -71,8 +71,8 @@ def write_jsonl(path, conversations):
 
 
 def greedy_in_process(target, tokenizer, conversations, out, plain=False):
-    return read(regenerate(target, tokenizer, conversations, out, max_new_tokens=NEW_TOKENS, batch_size=4,
-                           plain=plain))
+    return read(regenerate(target, tokenizer, conversations, out, ReplyDecoding(max_new_tokens=NEW_TOKENS),
+                           batch_size=4, plain=plain))
 
 
 def fast_limits(**extra) -> Limits:
@@ -104,7 +104,7 @@ def test_the_server_path_writes_the_in_process_greedy_rows(server, target_dir, t
 def test_a_rerun_after_the_server_stopped_resumes_without_losing_or_repeating(
         server, target_dir, target, tokenizer, tmp_path, monkeypatch):
     out = tmp_path / "regen.jsonl"
-    sampling = sampling_for(target_dir, tokenizer, False, NEW_TOKENS, 0.0)
+    sampling = decoding_for(target_dir, tokenizer, ReplyDecoding(max_new_tokens=NEW_TOKENS), False)
     doomed = LocalServer(target_dir, tmp_path / "doomed.log", threads=1)
     answer, asked = regen_server.answer_conversation, []
 
@@ -208,7 +208,7 @@ def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target
     monkeypatch.setattr(regen_server, "ServerClient", Stand)
     folder, out = tmp_path / "target", tmp_path / "regen.jsonl"
     shutil.copytree(target_dir, folder)
-    sampling = regen_server.ReplyDecoding(max_new_tokens=NEW_TOKENS, stop_ids=(0,))
+    sampling = ReplyDecoding(max_new_tokens=NEW_TOKENS, stop_ids=(0,))
     run = lambda: regenerate_via_servers(["http://stand-in"], str(folder), tokenizer, CONVERSATIONS, out,  # noqa: E731
                                          sampling, limits=fast_limits(in_flight=1))
     for fail, first_asked in ((2, 0), (4, 2)):  # the second run resumes after the first's two answers
@@ -240,7 +240,7 @@ def run_processes(world, job):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_processes_share_regeneration_and_merge_to_one_processs_file(target, tokenizer, tmp_path, temperature):
     conversations = CONVERSATIONS[:5]  # batches of 2: [0 1] [2 3] [4]; process 0 answers two, process 1 one
-    settings = dict(max_new_tokens=NEW_TOKENS, temperature=temperature, batch_size=2, seed=3)
+    settings = dict(how=ReplyDecoding(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=3), batch_size=2)
     single = regenerate(target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
     merged = run_processes(2, lambda procs: regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl",
                                                        processes=procs, **settings))
@@ -252,7 +252,7 @@ def test_a_process_resumes_its_own_share(target, tokenizer, tmp_path, monkeypatc
     import draftsmith.data.regenerate as regen
 
     conversations = CONVERSATIONS[:5]
-    settings = dict(max_new_tokens=NEW_TOKENS, batch_size=2)
+    settings = dict(how=ReplyDecoding(max_new_tokens=NEW_TOKENS), batch_size=2)
     single = regenerate(target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
     regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl", processes=Processes(1, 2), **settings)
     answer, answered = regen._answer, []
@@ -357,8 +357,8 @@ def test_two_launched_processes_write_the_file_one_process_writes(target_dir, ta
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(launch, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    single = regenerate(target, tokenizer, load_conversations(data), tmp_path / "one.jsonl", max_new_tokens=NEW_TOKENS,
-                        temperature=1.0, seed=5, batch_size=2)
+    single = regenerate(target, tokenizer, load_conversations(data), tmp_path / "one.jsonl",
+                        ReplyDecoding(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=5), batch_size=2)
     assert (tmp_path / "two.jsonl").read_bytes() == single.read_bytes()
     assert not list(tmp_path.glob(".*partial*"))
 

@@ -5,11 +5,12 @@ import torch
 
 from draftsmith.data import regenerate as regen
 from draftsmith.data.corpus import load_embedded_corpus
-from draftsmith.data.regen_server import stop_token_ids
-from draftsmith.data.regenerate import embedded_conversations, regenerate, regenerate_command
+from draftsmith.data.regen_server import ReplyDecoding, stop_token_ids
+from draftsmith.data.regenerate import Regeneration, embedded_conversations, regenerate, regenerate_command
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import build_tiny_target
+from draftsmith.recipe import DataSection
 
 CONVERSATIONS = [
     [{"role": "user", "content": "def add(a, b):"}],
@@ -20,6 +21,7 @@ CONVERSATIONS = [
     [{"role": "user", "content": "x = [1, 2,"}],
 ]
 NEW_TOKENS = 6
+GREEDY = ReplyDecoding(max_new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,7 @@ def read(path):
 
 
 def test_greedy_replies_are_the_targets_turn_by_turn(target, tokenizer, tmp_path):
-    out = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "regen.jsonl", max_new_tokens=NEW_TOKENS,
-                     batch_size=3)
+    out = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "regen.jsonl", GREEDY, batch_size=3)
     records = read(out)
     assert len(records) == len(CONVERSATIONS) and not list(tmp_path.glob(".*partial"))
     for original, record in zip(CONVERSATIONS, records):
@@ -70,8 +71,8 @@ def test_greedy_replies_are_the_targets_turn_by_turn(target, tokenizer, tmp_path
 def test_embedded_prompts_are_continued_as_plain_text(target, tokenizer, tmp_path):
     conversations = embedded_conversations(4, max_chars=200)
     assert conversations == embedded_conversations(4, max_chars=200)
-    records = read(regenerate(target, tokenizer, conversations, tmp_path / "plain.jsonl",
-                              max_new_tokens=NEW_TOKENS, batch_size=4, plain=True))
+    records = read(regenerate(target, tokenizer, conversations, tmp_path / "plain.jsonl", GREEDY, batch_size=4,
+                              plain=True))
     for (prompt,), (user, reply) in zip(conversations, records):
         assert user == prompt and reply["role"] == "assistant"
         assert reply["content"] == greedy_reply(target, tokenizer, [prompt], plain=True)
@@ -79,7 +80,7 @@ def test_embedded_prompts_are_continued_as_plain_text(target, tokenizer, tmp_pat
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_resume_after_an_interruption_gives_the_same_file(target, tokenizer, tmp_path, monkeypatch, temperature):
-    settings = dict(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7, batch_size=2)
+    settings = dict(how=ReplyDecoding(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7), batch_size=2)
     whole = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "whole.jsonl", **settings).read_bytes()
 
     answer, calls = regen._answer, []
@@ -106,11 +107,12 @@ def test_resume_after_an_interruption_gives_the_same_file(target, tokenizer, tmp
 
 def test_bad_inputs(target, tokenizer, tmp_path):
     with pytest.raises(DraftsmithError, match="conversation 1 has no user turn"):
-        regenerate(target, tokenizer, [CONVERSATIONS[0], [{"role": "system", "content": "hi"}]], tmp_path / "x.jsonl")
+        regenerate(target, tokenizer, [CONVERSATIONS[0], [{"role": "system", "content": "hi"}]], tmp_path / "x.jsonl",
+                   GREEDY)
     with pytest.raises(DraftsmithError, match="temperature"):
-        regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", temperature=-1)
+        regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", ReplyDecoding(temperature=-1))
     with pytest.raises(DraftsmithError, match="no conversations"):
-        regenerate(target, tokenizer, [], tmp_path / "x.jsonl")
+        regenerate(target, tokenizer, [], tmp_path / "x.jsonl", GREEDY)
 
 
 def test_command_answers_a_conversation_file(target, tokenizer, tmp_path):
@@ -118,33 +120,34 @@ def test_command_answers_a_conversation_file(target, tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path / "target")
     dataset = tmp_path / "bench.jsonl"
     dataset.write_text('{"turns": ["def f():", "and g?"]}\n{"prompt": "import re"}\n{"prompt": "unused"}\n')
-    out = regenerate_command(str(tmp_path / "target"), str(dataset), str(tmp_path / "out.jsonl"),
-                             max_new_tokens=NEW_TOKENS, limit=2)
+    out = regenerate_command(str(tmp_path / "target"), str(tmp_path / "out.jsonl"), Regeneration(GREEDY),
+                             DataSection(dataset=str(dataset)), limit=2)
     records = read(out)
     assert [[m["role"] for m in r] for r in records] == [["user", "assistant"] * 2, ["user", "assistant"]]
     assert records[1][1]["content"] == greedy_reply(target, tokenizer, records[1][:1])
     with pytest.raises(DraftsmithError, match="cannot load the tokenizer"):
         (tmp_path / "bare").mkdir()
         target.save_pretrained(tmp_path / "bare")
-        regenerate_command(str(tmp_path / "bare"), None, str(tmp_path / "y.jsonl"))
+        regenerate_command(str(tmp_path / "bare"), str(tmp_path / "y.jsonl"), Regeneration(GREEDY), DataSection())
 
 
 def test_sampled_regeneration_is_reproducible_from_its_seed(target, tokenizer, tmp_path):
-    settings = dict(max_new_tokens=12, temperature=0.7, top_p=0.8, top_k=20, batch_size=2)
-    first = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "a.jsonl", seed=3, **settings).read_bytes()
-    again = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "b.jsonl", seed=3, **settings).read_bytes()
-    other = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "c.jsonl", seed=4, **settings).read_bytes()
+    settings = dict(max_new_tokens=12, temperature=0.7, top_p=0.8, top_k=20)
+
+    def sampled(name, **how):
+        return regenerate(target, tokenizer, CONVERSATIONS, tmp_path / name, ReplyDecoding(**{**settings, **how}),
+                          batch_size=2)
+
+    first, again, other = (sampled(name, seed=seed).read_bytes() for name, seed in (("a.jsonl", 3), ("b.jsonl", 3), ("c.jsonl", 4)))
     assert first == again and first != other
     # top_k reaches the sampler: sampling among the single likeliest token is greedy decoding.
-    one = dict(settings, top_k=1)
-    sampled = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "k1.jsonl", seed=5, **one))
-    greedy = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "g.jsonl", max_new_tokens=12,
-                             temperature=0.0, batch_size=2))
-    assert sampled == greedy
+    greedy = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "g.jsonl", ReplyDecoding(max_new_tokens=12),
+                             batch_size=2))
+    assert read(sampled("k1.jsonl", seed=5, top_k=1)) == greedy
     for bad, message in ((dict(top_p=0.0), "top_p must be in \\(0, 1\\]"), (dict(top_p=1.5), "top_p must be in"),
                          (dict(top_k=-1), "top_k must be >= 0")):
         with pytest.raises(DraftsmithError, match=message):
-            regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", **{**settings, **bad})
+            sampled("x.jsonl", **bad)
 
 
 def test_post_hoc_recipes_regenerate_sampled_and_key_the_cache_on_it():
@@ -187,7 +190,7 @@ def test_qwen3_is_answered_without_thinking_unless_asked(qwen3_target, tmp_path)
         return tokenizer.decode(out[:end], skip_special_tokens=True)
 
     for thinking, name in ((None, "default"), (True, "on")):
-        records = read(regenerate(model, tokenizer, asked, tmp_path / f"{name}.jsonl", max_new_tokens=NEW_TOKENS,
+        records = read(regenerate(model, tokenizer, asked, tmp_path / f"{name}.jsonl", GREEDY,
                                   enable_thinking=thinking))
         for record in records:  # every turn answered to the prompt the switch renders
             for k, message in enumerate(record):
@@ -228,8 +231,9 @@ def test_server_requests_carry_the_thinking_switch(qwen3_target, tmp_path):
     try:
         dataset = tmp_path / "asked.jsonl"
         dataset.write_text('{"turns": ["Two plus two?", "Squared?"]}\n')
-        out = regenerate_command(str(folder), str(dataset), str(tmp_path / "out.jsonl"), max_new_tokens=4,
-                                 servers=[f"http://127.0.0.1:{server.server_address[1]}/v1"], in_flight=1)
+        out = regenerate_command(str(folder), str(tmp_path / "out.jsonl"), Regeneration(
+            ReplyDecoding(max_new_tokens=4), servers=(f"http://127.0.0.1:{server.server_address[1]}/v1",), in_flight=1),
+            DataSection(dataset=str(dataset)))
     finally:
         server.shutdown()
         server.server_close()
@@ -245,5 +249,6 @@ def test_thinking_switch_on_a_template_without_one_writes_nothing(tmp_path):
     dataset = tmp_path / "asked.jsonl"
     dataset.write_text('{"prompt": "Hi"}\n')
     with pytest.raises(DraftsmithError, match="data.enable_thinking=false: the chat template has no enable_thinking"):
-        regenerate_command(str(tmp_path / "llama"), str(dataset), str(tmp_path / "out.jsonl"), enable_thinking=False)
+        regenerate_command(str(tmp_path / "llama"), str(tmp_path / "out.jsonl"),
+                           Regeneration(GREEDY, enable_thinking=False), DataSection(dataset=str(dataset)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["asked.jsonl", "llama"]
