@@ -84,7 +84,7 @@ def _eval_flags() -> tuple[Flags, Flags, Flags, Flags]:
 
 
 # Repeatable flags are named for one value.
-EVAL_RENAMES = {"temperatures": "temperature", "drafters": "drafter"}
+EVAL_RENAMES = {"temperatures": "temperature", "drafters": "drafter", "cache_kind": "cache"}
 
 
 def _chat_flags() -> Flags:

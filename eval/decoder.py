@@ -12,7 +12,7 @@ step is one target forward over 1 + N positions, the acceptance rule, and a cach
 The prompt is prefilled once (not a verify pass); its last logits give the first token.
 Plain decoding is the same loop with an empty draft every step (`generate_plain`).
 
-`cache="static"` keeps the target's KV in a preallocated transformers StaticCache owned by
+`cache_kind="static"` keeps the target's KV in a preallocated transformers StaticCache owned by
 the decoder and reused by every sequence (so one sequence in flight per decoder); its
 rollback is a move of the write position (models/target.py). `compile=True` (static cache
 only) runs the verify forward under torch.compile, CUDA graphs on CUDA: every verify is
@@ -224,13 +224,13 @@ class SpeculativeDecoder:
         num_draft: int | None = None,
         eos_token_id: int | Sequence[int] | None = None,
         *,
-        cache: str = "dynamic",
+        cache_kind: str = "dynamic",
         max_cache_len: int | None = None,
         compile: bool = False,
     ):
         """`num_draft` defaults to the tile rule; `eos_token_id` to the target's generation
-        config (pass `()` to decode to the limit regardless of EOS). `cache` is the target's
-        KV cache, "dynamic" or "static"; a static one holds `max_cache_len` tokens, by default
+        config (pass `()` to decode to the limit regardless of EOS). `cache_kind` is the kind of
+        the target's KV cache, "dynamic" or "static"; a static one holds `max_cache_len` tokens, by default
         the first sequence's prompt + max_new_tokens + D rounded up to 256 (regrown when a
         later one needs more). `compile` (static cache only) compiles the verify forward."""
         self.target = target
@@ -238,14 +238,14 @@ class SpeculativeDecoder:
         self.num_draft = default_num_draft(target.config) if num_draft is None else int(num_draft)
         if self.num_draft < 0:
             raise DraftsmithError(f"num_draft must be >= 0, got {num_draft}")
-        if cache not in CACHE_KINDS:
-            raise DraftsmithError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
-        if compile and cache != "static":
+        if cache_kind not in CACHE_KINDS:
+            raise DraftsmithError(f"cache_kind must be one of {', '.join(CACHE_KINDS)}, got {cache_kind!r}")
+        if compile and cache_kind != "static":
             raise DraftsmithError("compile needs the static cache: a compiled graph replays fixed shapes "
                                   "at fixed addresses")
-        if max_cache_len is not None and cache != "static":
+        if max_cache_len is not None and cache_kind != "static":
             raise DraftsmithError("max_cache_len sizes the static cache; the dynamic cache grows as needed")
-        self.cache_kind, self.max_cache_len, self.compile = cache, max_cache_len, bool(compile)
+        self.cache_kind, self.max_cache_len, self.compile = cache_kind, max_cache_len, bool(compile)
         self._static = None  # the static cache, made by the first `start`
         if eos_token_id is None:
             gen = getattr(target, "generation_config", None)
@@ -285,7 +285,7 @@ class SpeculativeDecoder:
         its verify time per pass is T_target."""
         if self._plain is None:
             self._plain = SpeculativeDecoder(self.target, NoProposer(), num_draft=0, eos_token_id=tuple(self.eos),
-                                             cache=self.cache_kind, max_cache_len=self.max_cache_len,
+                                             cache_kind=self.cache_kind, max_cache_len=self.max_cache_len,
                                              compile=self.compile)
         return self._plain.generate(prompt_ids, max_new_tokens, sampling, generator)
 

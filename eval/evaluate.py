@@ -174,9 +174,9 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
 
     if not settings.drafters:
         raise DraftsmithError("eval: give at least one --drafter")
-    if settings.cache not in CACHE_KINDS:
-        raise DraftsmithError(f"eval: --cache must be one of {', '.join(CACHE_KINDS)}, got {settings.cache!r}")
-    if settings.compile and settings.cache != "static":
+    if settings.cache_kind not in CACHE_KINDS:
+        raise DraftsmithError(f"eval: --cache must be one of {', '.join(CACHE_KINDS)}, got {settings.cache_kind!r}")
+    if settings.compile and settings.cache_kind != "static":
         raise DraftsmithError("eval: --compile needs --cache static (a compiled graph replays fixed shapes at fixed "
                               "addresses)")
     check_report_dest(out_dir)  # cheap checks before any model is loaded
@@ -276,13 +276,13 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
     conversations = source if isinstance(source, Conversations) else None
     first = conversations.prompt(conversations.turns[0][0], settings, "conversation 0 turn 1") \
         if conversations else source[0]
-    cache = {"cache": settings.cache, "compile": settings.compile, "eos_token_id": eos}
-    if settings.cache == "static":  # one size for every prompt: a compiled graph is traced for it once
+    decoder_options = {"cache_kind": settings.cache_kind, "compile": settings.compile, "eos_token_id": eos}
+    if settings.cache_kind == "static":  # one size for every prompt: a compiled graph is traced for it once
         longest = conversations.longest(settings) if conversations else max(len(p) for p in source)
-        cache["max_cache_len"] = longest + settings.max_new_tokens + num_draft
+        decoder_options["max_cache_len"] = longest + settings.max_new_tokens + num_draft
     # First calls pay one-off costs; with compile, CUDA graphs trace, then record, then replay.
     warm_ups = 3 if settings.compile else 1
-    baseline_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **cache)
+    baseline_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **decoder_options)
     for _ in range(warm_ups):
         baseline_decoder.generate(first[:8], 4, sampling)
     if conversations:  # the later turns' prompts hold plain decoding's answers to the earlier ones
@@ -307,11 +307,11 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
 
             calibrating = proposer_from_arg(arg, target, settings.proposer_options)  # its own counters
             plain_host = _per_pass_ms(base_stats, base_stats.other_s)
-            chosen, auto_row = choose(lambda d: SpeculativeDecoder(target, calibrating, num_draft=d, **cache),
+            chosen, auto_row = choose(lambda d: SpeculativeDecoder(target, calibrating, num_draft=d, **decoder_options),
                                       auto, sampling, settings, plain_host)
         for option, value in (auto_row or {}).get("options", {}).items():  # chosen with D (DSpark's threshold)
             setattr(proposer, option, value)
-        decoder = SpeculativeDecoder(target, proposer, num_draft=chosen, **cache)
+        decoder = SpeculativeDecoder(target, proposer, num_draft=chosen, **decoder_options)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)
         runs, out = decode_prompts(decoder, prompts, settings, sampling, f"{arg} t={sampling.temperature:g}")
@@ -350,7 +350,7 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
     results = {
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
-                     "seed": settings.seed, "cache": settings.cache, "compile": settings.compile,
+                     "seed": settings.seed, "cache": settings.cache_kind, "compile": settings.compile,
                      "min_prompt_tokens": settings.min_prompt_tokens, **chat},
         "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target,
                      "distinct_4gram": distinct_4gram_ratio(base_out), "looping_prompts": sum(looping)},

@@ -42,7 +42,7 @@ class EvalSettings(EvalSection):
     prompt_chars: int = option(400, "embedded prompts: characters of held-out source each")
     min_prompt_tokens: int = option(0, "long-context eval: only prompts (a conversation's first turn) of at least "
                                        "this many tokens, drawn from 8x --num-prompts candidates (0: all)")
-    cache: str = option("dynamic", "the target's KV cache: dynamic (grows) or static (preallocated, fixed addresses)")
+    cache_kind: str = option("dynamic", "the target's KV cache: dynamic (grows) or static (preallocated, fixed addresses)")
     compile: bool = option(False, "compile the verify forward (CUDA graphs on CUDA); needs --cache static")
     # Other sections' keys, declared there (their flags too): the tile the drafters were sized
     # for, and the chat settings they were trained with.

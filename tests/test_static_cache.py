@@ -94,7 +94,7 @@ def _same_stats(a, b):
 @pytest.mark.parametrize("drafter", ["ngram", "oracle", "tree-oracle"])
 def test_static_cache_equals_generate_and_the_dynamic_cache(world, drafter):
     dynamic = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D)
-    static = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, cache="static")
+    static = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, cache_kind="static")
     # one decoder, one cache for all three prompts: each start rewinds it
     for prompt, ref, ours, theirs in zip(PROMPTS, world.refs, _decode_all(static), _decode_all(dynamic)):
         assert ours.tokens.tolist() == ref == theirs.tokens.tolist(), f"{drafter} on {world.name}, prompt {prompt}"
@@ -131,7 +131,7 @@ def _check_rows_after_every_step(decoder, prompt):
 @pytest.mark.parametrize("drafter", ["corrupted-oracle", "tree-oracle"])
 def test_static_cache_rows_equal_a_fresh_prefill(world, drafter):
     decoder = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, eos_token_id=(),
-                                 cache="static")
+                                 cache_kind="static")
     _check_rows_after_every_step(decoder, PROMPTS[1])
 
 
@@ -153,9 +153,9 @@ def test_compiled_verify_equals_the_uncompiled_one(world, traced, drafter):
     make = (lambda: CorruptedOracle(world.target, capture_layers=(0, last), seed=3)) \
         if drafter == "corrupted-oracle" else (lambda: DRAFTERS[drafter](world))
     plain, compiled = make(), make()
-    eager = SpeculativeDecoder(world.target, plain, num_draft=D, cache="static")
+    eager = SpeculativeDecoder(world.target, plain, num_draft=D, cache_kind="static")
     graphs = traced()
-    fast = SpeculativeDecoder(world.target, compiled, num_draft=D, cache="static", compile=True)
+    fast = SpeculativeDecoder(world.target, compiled, num_draft=D, cache_kind="static", compile=True)
     for prompt, ref, ours, theirs in zip(PROMPTS, world.refs, _decode_all(fast), _decode_all(eager)):
         assert ours.tokens.tolist() == ref == theirs.tokens.tolist(), f"{drafter} on {world.name}, prompt {prompt}"
         _same_stats(ours.stats, theirs.stats)
@@ -167,7 +167,7 @@ def test_compiled_verify_equals_the_uncompiled_one(world, traced, drafter):
     assert traced() - graphs == 2, "one graph for the padded verify and one for plain decoding, nothing retraced"
     # the pad rows' KV lands past the committed length only
     _check_rows_after_every_step(SpeculativeDecoder(world.target, make(), num_draft=D, eos_token_id=(),
-                                                    cache="static", compile=True), PROMPTS[1])
+                                                    cache_kind="static", compile=True), PROMPTS[1])
 
 
 @pytest.mark.slow
@@ -175,8 +175,8 @@ def test_compiled_verify_with_inductor_on_cpu(world):
     """The real CPU path (inductor, needs a C compiler): the same tokens as uncompiled."""
     torch._dynamo.reset()
     for drafter in ("corrupted-oracle", "tree-oracle"):
-        eager = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, cache="static")
-        fast = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, cache="static", compile=True)
+        eager = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, cache_kind="static")
+        fast = SpeculativeDecoder(world.target, DRAFTERS[drafter](world), num_draft=D, cache_kind="static", compile=True)
         for ours, theirs in zip(_decode_all(fast), _decode_all(eager)):
             assert ours.tokens.tolist() == theirs.tokens.tolist()
             _same_stats(ours.stats, theirs.stats)
@@ -187,15 +187,15 @@ def test_static_cache_size_and_options_are_checked(world):
     prompt = PROMPTS[1]
     exact = len(prompt) + NEW + D  # the last verify may start at len + NEW - 2 and write 1 + D rows
     decoder = SpeculativeDecoder(world.target, OracleProposer(world.target), num_draft=D, eos_token_id=(),
-                                 cache="static", max_cache_len=exact)
+                                 cache_kind="static", max_cache_len=exact)
     assert decoder.generate(torch.tensor(prompt), NEW).tokens.tolist() == world.refs[1]
     with pytest.raises(DraftsmithError, match=f"static cache of {exact} tokens"):
         decoder.generate(torch.tensor(prompt), NEW + 1)
-    grows = SpeculativeDecoder(world.target, NgramProposer(), num_draft=D, cache="static")
+    grows = SpeculativeDecoder(world.target, NgramProposer(), num_draft=D, cache_kind="static")
     grows.generate(torch.tensor(prompt), 4)
     grows.start(torch.tensor(prompt), 300)  # more than the first cache holds: a bigger one
     assert grows._static.get_max_length() == 512
-    for options, message in ((dict(cache="paged"), "cache must be one of"),
+    for options, message in ((dict(cache_kind="paged"), "cache_kind must be one of"),
                              (dict(compile=True), "compile needs the static cache"),
                              (dict(max_cache_len=64), "max_cache_len sizes the static cache")):
         with pytest.raises(DraftsmithError, match=message):
@@ -204,7 +204,7 @@ def test_static_cache_size_and_options_are_checked(world):
 
 def test_eval_runs_with_a_static_cache_and_compile(world, traced, capsys):
     settings = EvalSettings(num_prompts=len(PROMPTS), max_new_tokens=12, drafters=["ngram", "oracle"],
-                            cache="static", compile=True)
+                            cache_kind="static", compile=True)
     drafters = [NgramProposer(), OracleProposer(world.target)]
     # `_run` stops on any greedy mismatch against plain decoding
     results = _run(world.target, drafters, [torch.tensor(p) for p in PROMPTS], settings, GREEDY, num_draft=4)
