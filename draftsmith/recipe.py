@@ -19,7 +19,7 @@ import yaml
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import divides, finite, option, seed
-from draftsmith.registry import METHODS, config_class, trainable
+from draftsmith.registry import METHODS, MethodSpec, config_class, method_spec, trainable
 from draftsmith.sampling_params import SamplingParams
 
 
@@ -161,6 +161,12 @@ class TrackingSection:
 class MethodSection:
     name: str = option("", "the drafter to train (a registered method); the section's other keys are its config's fields")
     params: dict[str, Any] = option({}, "only the keys the recipe set (the config derives the rest)")
+
+    @property
+    def spec(self) -> MethodSpec:
+        """The registered method this section names: what the code below the recipe is handed
+        (an unset or unknown name is one line)."""
+        return method_spec(self.name)
 
 
 @dataclass
@@ -412,7 +418,7 @@ def validate(recipe: Recipe) -> None:
         divides(vars(target), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
                 prefix="target")
     # The method's own shape rules, where its config declares them (models/<method>.py: check_params).
-    check = getattr(config_class(recipe.method.name), "check_params", None) if recipe.method.name else None
+    check = getattr(recipe.method.spec.load("config"), "check_params", None) if recipe.method.name else None
     if check is not None:
         check(recipe.method.params, seq_len=t.seq_len)
     if t.keep_checkpoints == 1:  # a failed save must leave the previous checkpoint behind
@@ -446,8 +452,7 @@ def validate(recipe: Recipe) -> None:
     if recipe.data.streaming and t.num_epochs:
         raise DraftsmithError(f"train.num_epochs={t.num_epochs}: a streamed corpus (data.streaming) has no length "
                               "to count passes in; set train.max_steps")
-    spec = METHODS.get(recipe.method.name)
-    if recipe.data.streaming and spec is not None and spec.reads_target_features:
+    if recipe.data.streaming and recipe.method.name and recipe.method.spec.reads_target_features:
         raise DraftsmithError(f"data.streaming: streams pretraining text, and method {recipe.method.name} trains on "
                               "conversations; remove the key")
     if recipe.data.streaming and recipe.data.heldout_rows < 0:

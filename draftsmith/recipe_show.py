@@ -18,7 +18,6 @@ import yaml
 
 from draftsmith.fields import help_of
 from draftsmith.recipe import Recipe, load_recipe
-from draftsmith.registry import config_class
 
 COLUMN = 36  # where the comments start, when the key and value leave room
 
@@ -48,7 +47,7 @@ def show_recipe(recipe: Recipe) -> str:
             method = recipe.method
             name_field = next(f for f in dataclasses.fields(method) if f.name == "name")
             lines.append(_line("name", method.name, name_field))
-            for f in dataclasses.fields(config_class(method.name)):
+            for f in dataclasses.fields(method.spec.load("config")):
                 lines.append(_line(f.name, method.params.get(f.name, _default(f)), f))
             continue
         values = getattr(recipe, section.name)

@@ -66,6 +66,14 @@ class MethodSpec:
     # defaults; a recipe or override that sets the key wins.
     train_defaults: dict[str, Any] = field(default_factory=dict)
 
+    def load(self, field_name: str) -> Any:
+        """What a "module:attribute" field names, imported: its config class, model class,
+        training class or proposer loader."""
+        ref = getattr(self, field_name)
+        if not ref:
+            raise DraftsmithError(f"method {self.name!r} has no {field_name}")
+        return import_ref(ref, f"method {self.name!r}")
+
     def face(self, name: str, default: Any = _REQUIRED) -> Any:
         """`name` of this method's formats module (`read`, `serve`, ...); `default` where the
         method has no formats module or the module does not offer `name`."""
@@ -237,7 +245,7 @@ def export_formats() -> list[str]:
 
 
 def config_class(name: str) -> type:
-    return import_ref(method_spec(name, "config").config, f"method {name!r}")
+    return method_spec(name, "config").load("config")
 
 
 def decode_options() -> list[tuple[str, DecodeOption]]:

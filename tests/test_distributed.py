@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.registry import METHODS
 from draftsmith.train import launch_checks
 from draftsmith.train.launch_checks import check_launch
 from draftsmith.train.loop import train
@@ -141,7 +142,7 @@ def launch_env(monkeypatch):
 def test_a_launch_the_machine_cannot_serve_is_one_line(launch_env, gpus, env, message):
     launch_env(gpus, **env)
     with pytest.raises(DraftsmithError, match=message):
-        check_launch("mtp")
+        check_launch(METHODS["mtp"])
 
 
 @pytest.mark.parametrize("gpus, env", [
@@ -152,7 +153,7 @@ def test_a_launch_the_machine_cannot_serve_is_one_line(launch_env, gpus, env, me
 ])
 def test_launches_the_machine_can_serve_pass(launch_env, gpus, env):
     launch_env(gpus, **env)
-    check_launch("mtp")
+    check_launch(METHODS["mtp"])
 
 
 def test_zero3_refuses_a_method_that_cannot_shard(launch_env, monkeypatch):
@@ -160,12 +161,12 @@ def test_zero3_refuses_a_method_that_cannot_shard(launch_env, monkeypatch):
 
     launch_env(0, ACCELERATE_USE_DEEPSPEED="true",
                ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ROOT / "recipes/accelerate/ds_zero3.json"))
-    check_launch("mtp")  # declares nothing: it can
+    check_launch(METHODS["mtp"])  # declares nothing: it can
     monkeypatch.setattr(MTPTraining, "no_zero3", "it reads weights outside forward", raising=False)
     with pytest.raises(DraftsmithError, match=r"method mtp cannot train under DeepSpeed ZeRO-3 \(it reads"):
-        check_launch("mtp")
+        check_launch(METHODS["mtp"])
     launch_env(0, ACCELERATE_DEEPSPEED_CONFIG_FILE=str(ROOT / "recipes/accelerate/ds_zero2.json"))
-    check_launch("mtp")  # ZeRO-2 keeps whole parameters in every process
+    check_launch(METHODS["mtp"])  # ZeRO-2 keeps whole parameters in every process
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without GPUs")

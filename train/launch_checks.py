@@ -16,6 +16,7 @@ import os
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.registry import MethodSpec
 
 
 def _flag(name: str) -> bool:
@@ -35,24 +36,19 @@ def zero_stage() -> int:
     return int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
 
 
-def zero3_blocker(method_name: str) -> str:
+def zero3_blocker(spec: MethodSpec) -> str:
     """Why a method cannot train under ZeRO-3, "" when it can. ZeRO-3 partitions every
     parameter of the prepared module and gathers it only inside that module's forward; a
     method declares `no_zero3 = "reason"` on its class when it reads parameters otherwise."""
-    from draftsmith.registry import METHODS, import_ref
-
-    spec = METHODS.get(method_name)
-    if spec is None or not spec.training:
-        return ""  # build_method reports the unknown name
-    return getattr(import_ref(spec.training, f"method {method_name!r} training"), "no_zero3", "")
+    return getattr(spec.load("training"), "no_zero3", "")
 
 
-def check_launch(method_name: str) -> None:
-    """Raise DraftsmithError when the launch cannot train `method_name` as asked."""
+def check_launch(spec: MethodSpec) -> None:
+    """Raise DraftsmithError when the launch cannot train the method `spec` as asked."""
     stage = zero_stage()
-    blocker = zero3_blocker(method_name) if stage == 3 else ""
+    blocker = zero3_blocker(spec) if stage == 3 else ""
     if blocker:
-        raise DraftsmithError(f"method {method_name} cannot train under DeepSpeed ZeRO-3 ({blocker}): "
+        raise DraftsmithError(f"method {spec.name} cannot train under DeepSpeed ZeRO-3 ({blocker}): "
                               "use recipes/accelerate/zero2.yaml or fsdp2.yaml")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world <= 1:

@@ -287,9 +287,7 @@ def check_positions(recipe: Recipe) -> None:
 def check_method_shape(recipe: Recipe) -> None:
     """The method's keys against the shape of a target at a path (its config.json alone), before
     any data is prepared: the drafter config's `check_params` names the key (models/<method>.py)."""
-    from draftsmith.registry import config_class
-
-    check = getattr(config_class(recipe.method.name), "check_params", None)
+    check = getattr(recipe.method.spec.load("config"), "check_params", None)
     if check is None or not recipe.target.path:
         return
     from draftsmith.models.target import find_model_dir
@@ -386,7 +384,7 @@ def check_before_work(recipe: Recipe) -> None:
     check_positions(recipe)
     check_method_shape(recipe)
     say_what_is_off(recipe)
-    check_launch(recipe.method.name)
+    check_launch(recipe.method.spec)
     check_schedule(recipe.train.lr_schedule)
     check_tracking(recipe.tracking.report_to, recipe.tracking.mode)
 

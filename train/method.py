@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from draftsmith.recipe import Recipe
-from draftsmith.registry import import_ref, method_spec
 
 
 class TrainMethod:
@@ -74,6 +73,4 @@ def resolved_recipe(recipe: Recipe, settings: dict) -> Recipe:
 
 
 def build_method(recipe: Recipe, device: torch.device) -> TrainMethod:
-    name = recipe.method.name
-    spec = method_spec(name, "training")
-    return import_ref(spec.training, f"method {name!r} training")(recipe, device)
+    return recipe.method.spec.load("training")(recipe, device)

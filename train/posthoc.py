@@ -145,7 +145,7 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
     """Run the target once over the rows `recipe` trains on and store what its method's loss
     reads of them (`draftsmith data cache-hidden`); resumable. Builds the method itself, so
     the rows, split, layer ids and draft vocabulary are the training run's own."""
-    if recipe.method.name not in posthoc():
+    if not recipe.method.spec.reads_target_features:
         raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(posthoc())} "
                               "read target features")
     from draftsmith.processes import current_processes
