@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Callable
 
@@ -234,8 +235,8 @@ def write_feature_cache(out: str | Path, identity: dict, tokens: dict[str, torch
                               for i in range(0, n, per)]
     per_position = " + ".join(f"{v.numel() // seq_len} {k} x {v.element_size()} B" for k, v in probe.items())
     if processes.main:
-        print(f"feature cache: {n} rows x {seq_len} positions x ({per_position}) = {_human(n * row_bytes)} "
-              f"in {len(manifest['shards'])} shard(s) -> {out}", flush=True)
+        logging.getLogger(__name__).info("feature cache: %d rows x %d positions x (%s) = %s in %d shard(s) -> %s", n,
+                                         seq_len, per_position, _human(n * row_bytes), len(manifest["shards"]), out)
         if not _whole(out / ROWS):  # absent, or damaged since: written anew
             with atomic_file(out / ROWS, "wb") as f:
                 f.write(save({k: v.contiguous() for k, v in tokens.items()}))
@@ -316,11 +317,11 @@ class CachedRows(torch.utils.data.Dataset):
     """Rows start..stop-1 of a cache: each a dict of its tokens and its stored features,
     read from the shard files on demand (memory-mapped, never loaded whole)."""
 
-    def __init__(self, cache: FeatureCache, start: int, stop: int):
-        self.cache, self.start, self.stop = cache, start, stop
-        self.tokens = {k: v[start:stop] for k, v in cache.tokens.items()}
-        self.keys = list(cache.manifest["tensors"])
-        self.shards = cache.manifest["shards"]
+    def __init__(self, feature_cache: FeatureCache, start: int, stop: int):
+        self.feature_cache, self.start, self.stop = feature_cache, start, stop
+        self.tokens = {k: v[start:stop] for k, v in feature_cache.tokens.items()}
+        self.keys = list(feature_cache.manifest["tensors"])
+        self.shards = feature_cache.manifest["shards"]
         self.starts = [s["rows"][0] for s in self.shards]
         self.handles = {}  # shard index -> open file, per process
 
@@ -336,7 +337,7 @@ class CachedRows(torch.utils.data.Dataset):
         row = self.start + i
         s = bisect.bisect_right(self.starts, row) - 1
         if s not in self.handles:
-            self.handles[s] = open_safetensors(self.cache.path / self.shards[s]["file"])
+            self.handles[s] = open_safetensors(self.feature_cache.path / self.shards[s]["file"])
         j = row - self.starts[s]
         item = {k: v[i] for k, v in self.tokens.items()}
         item.update({k: self.handles[s].get_slice(k)[j : j + 1][0] for k in self.keys})

@@ -36,7 +36,7 @@ class DSparkTraining(DFlashTraining):
         from draftsmith.models.dspark_calibration import write_sts
 
         folder = super().save(model, out_dir)
-        if self.cache is None:
+        if self.feature_cache is None:
             path = write_sts(model.drafter, self.target, self.tokens_of(self.eval_data), folder,
                              dataset=f"{out_dir} held-out rows")
             log.info("confidence calibration: %s", path)

@@ -34,11 +34,11 @@ class Eagle3Training(PostHocMethod):
         return {"hidden": torch.cat([out.hidden[i] for i in self.layer_ids], dim=-1), "logits": logits,
                 "target_top": top}
 
-    def feature_spec(self):
+    def feature_identity(self):
         d2t = self.model.drafter.d2t.cpu().numpy().tobytes()
         # "teacher": what `extract` stores of the logits. Caches from before it was named hold raw
         # draft-vocabulary logits, which the LK losses would read as probabilities: refused.
-        return {**super().feature_spec(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16],
+        return {**super().feature_identity(), "draft_vocab_sha256": hashlib.sha256(d2t).hexdigest()[:16],
                 "teacher": "draft-vocabulary log-probabilities"}
 
     def loss(self, model, batch, step, micro=0, total_steps=0):

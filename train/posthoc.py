@@ -84,14 +84,14 @@ class PostHocMethod(TrainMethod):
         """The target and the rows: from a feature cache, the rows it holds and the target's ends
         alone; else the whole target, and the rows rendered from its answers (data/posthoc_rows.py)."""
         recipe = self.recipe
-        self.cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
-        if self.cache is not None:
-            self.cache.expect_target(self.target_dir)
-            self.cache.expect(rows_settings(recipe), section="rows")
+        self.feature_cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
+        if self.feature_cache is not None:
+            self.feature_cache.expect_target(self.target_dir)
+            self.feature_cache.expect(rows_settings(recipe), section="rows")
             self.target = load_target_ends(self.target_dir, dtype=recipe.target.dtype, device=device)
-            n_train = self.cache.manifest["splits"]["train"]
-            self.train_data = self.cache.rows(0, n_train)
-            self.eval_data = self.cache.rows(n_train, self.cache.manifest["num_rows"])
+            n_train = self.feature_cache.manifest["splits"]["train"]
+            self.train_data = self.feature_cache.rows(0, n_train)
+            self.eval_data = self.feature_cache.rows(n_train, self.feature_cache.manifest["num_rows"])
         else:
             self.target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
                                       attn_implementation=recipe.target.attn_implementation)
@@ -106,25 +106,25 @@ class PostHocMethod(TrainMethod):
 
     def tokens_of(self, data) -> dict[str, torch.Tensor]:
         """The token columns of the training or the held-out rows, cached or not."""
-        return data.tokens if self.cache is not None else data[:]
+        return data.tokens if self.feature_cache is not None else data[:]
 
     def extract(self, out: TargetOutput) -> dict[str, torch.Tensor]:
         """What the loss reads of one target forward ([B, T, ...] each); a cache stores exactly this."""
         raise NotImplementedError
 
-    def feature_spec(self) -> dict:
+    def feature_identity(self) -> dict:
         """What, besides the target and the rows, decides `extract`'s output."""
         return {"method": self.recipe.method.name, "layer_ids": list(self.layer_ids)}
 
     def check_cache(self) -> None:
         """Refuse a feature cache that holds other features than this run's loss reads."""
-        if self.cache is not None:
-            self.cache.expect(self.feature_spec())
+        if self.feature_cache is not None:
+            self.feature_cache.expect(self.feature_identity())
 
     def features(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`extract` of the frozen target's forward over the batch, or its cached copy."""
-        if self.cache is not None:
-            return {k: batch[k] for k in self.cache.manifest["tensors"]}
+        if self.feature_cache is not None:
+            return {k: batch[k] for k in self.feature_cache.manifest["tensors"]}
         # A packed batch goes in by its positions alone: transformers then masks each conversation
         # off from the others (packed-sequence masks on every attention backend; data/packing.py).
         packed = batch.get("position_ids")
@@ -162,7 +162,7 @@ def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_row
     tokens = {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
     identity = {
         "target": {"path": str(method.target_dir), "fingerprint": target_fingerprint(method.target_dir)},
-        **method.feature_spec(),
+        **method.feature_identity(),
         "rows": rows_settings(method.recipe),  # with what the method decided (data.enable_thinking)
         "source": str(method.rows_source),
         "splits": {"train": len(method.train_data), "eval": len(method.eval_data)},
