@@ -27,3 +27,45 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# ---------------------------------------------------------------- fixtures several modules share
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """The tiny Qwen3 target (tiny_models.tiny_target: VOCAB ids, MASK the last) saved as a
+    folder, as the commands read one (DeepSpec's export copies its embedding and head)."""
+    from tiny_models import tiny_target
+
+    folder = tmp_path_factory.mktemp("target")
+    tiny_target().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    """That target loaded from its folder, frozen."""
+    from draftsmith.models.target import freeze, load_target
+
+    return freeze(load_target(target_dir))
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty hub cache that huggingface_hub (offline) reads instead of the user's
+    (hub_fixtures.py fills it)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf-hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """A `datasets` cache of the test's own, so no Arrow file outlives it."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))

@@ -1,14 +1,12 @@
 """A Hugging Face hub cache laid out as huggingface_hub writes it, for offline tests:
 `<repo_type>s--ORG--NAME/blobs/<sha256>`, `snapshots/<revision>/<path>` symlinked to the
-blob, and `refs/main` holding the revision."""
+blob, and `refs/main` holding the revision (its `hub_cache` fixture is in conftest.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
-
-import pytest
 
 
 def add_repo(cache: Path, repo_id: str, files: dict[str, bytes | Path], repo_type: str = "model",
@@ -34,26 +32,6 @@ def add_folder(cache: Path, repo_id: str, folder: Path, repo_type: str = "model"
     """Every file under `folder` as one revision of `repo_id`."""
     files = {str(p.relative_to(folder)): p for p in sorted(folder.rglob("*")) if p.is_file()}
     return add_repo(cache, repo_id, files, repo_type)
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty hub cache that huggingface_hub (offline) reads instead of the user's."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hf-hub"
-    cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
-
-
-@pytest.fixture
-def datasets_cache(tmp_path, monkeypatch):
-    """A `datasets` cache of the test's own, so no Arrow file outlives it."""
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets-cache"))
 
 
 def parquet(table: dict) -> bytes:

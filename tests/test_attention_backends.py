@@ -25,15 +25,9 @@ from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter, ttt_mask_mod
 from draftsmith.models.target import build_tiny_target, freeze, load_target, target_forward
 from draftsmith.recipe import recipe_from_dict
+from tiny_models import MASK, VOCAB  # conftest.py's `target` is tiny_models.tiny_target
 
-VOCAB, MASK = 128, 127
 CUDA = torch.cuda.is_available()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=64,
-                                    num_heads=4, num_kv_heads=2))
 
 
 def block_drafter(target, cls="dflash", **overrides):

@@ -30,13 +30,6 @@ def plain_chatml(tokenizer):
     return tokenizer.chat_template.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
 
 
-@pytest.fixture
-def datasets_cache(tmp_path, monkeypatch):
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-
-
 def masked_runs(tokenizer, row):
     """The decoded text of each run of consecutive masked tokens."""
     runs = itertools.groupby(zip(row["input_ids"], row["loss_mask"]), key=lambda pair: pair[1])

@@ -7,13 +7,6 @@ from draftsmith.data.corpus import SPLITS, corpus_prompts, embedded_split, load_
 from draftsmith.errors import DraftsmithError
 
 
-@pytest.fixture
-def datasets_cache(tmp_path, monkeypatch):
-    import datasets
-
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-
-
 def test_split_is_by_module_disjoint_and_complete():
     names = {split: [name for name, _ in embedded_split(split)] for split in SPLITS}
     sets = {split: set(n) for split, n in names.items()}

@@ -34,7 +34,7 @@ NEW_TOKENS = 8
 # ---------------------------------------------------------------- the tiny target and its server
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
+def corpus_target_dir(tmp_path_factory):
     tokenizer = train_tokenizer(load_embedded_corpus("train", max_chars=150_000), vocab_size=512)
     model = build_tiny_target(vocab_size=len(tokenizer), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1)
     folder = tmp_path_factory.mktemp("target") / "tiny"
@@ -44,20 +44,20 @@ def target_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def target(target_dir):
-    return load_target(target_dir).eval()
+def corpus_target(corpus_target_dir):
+    return load_target(corpus_target_dir).eval()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(target_dir):
+def tokenizer(corpus_target_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(target_dir))
+    return AutoTokenizer.from_pretrained(str(corpus_target_dir))
 
 
 @pytest.fixture(scope="module")
-def server(target_dir, tmp_path_factory):
-    with LocalServer(target_dir, tmp_path_factory.mktemp("serve") / "serve.log", threads=1) as running:
+def server(corpus_target_dir, tmp_path_factory):
+    with LocalServer(corpus_target_dir, tmp_path_factory.mktemp("serve") / "serve.log", threads=1) as running:
         yield running
 
 
@@ -81,31 +81,31 @@ def fast_limits(**extra) -> Limits:
 
 # ---------------------------------------------------------------- through the server
 
-def test_the_server_path_writes_the_in_process_greedy_rows(server, target_dir, target, tokenizer, tmp_path):
+def test_the_server_path_writes_the_in_process_greedy_rows(server, corpus_target_dir, corpus_target, tokenizer, tmp_path):
     data = write_jsonl(tmp_path / "convs.jsonl", CONVERSATIONS)
-    assert main(["data", "regenerate", "--target", str(target_dir), "--dataset", str(data), "--server", server.url,
+    assert main(["data", "regenerate", "--target", str(corpus_target_dir), "--dataset", str(data), "--server", server.url,
                  "--out", str(tmp_path / "served.jsonl"), "--temperature", "0",
                  "--max-new-tokens", str(NEW_TOKENS), "--in-flight", "3"]) == 0
     served = read(tmp_path / "served.jsonl")
-    assert served == greedy_in_process(target, tokenizer, CONVERSATIONS, tmp_path / "local.jsonl")
+    assert served == greedy_in_process(corpus_target, tokenizer, CONVERSATIONS, tmp_path / "local.jsonl")
     assert len(served[1]) == 5 and served[1][2]["content"] != "a human reply, to be replaced"
     assert any(m["content"] for conv in served for m in conv if m["role"] == "assistant")
     assert not list(tmp_path.glob(".*partial"))
 
     # Plain text (the embedded default's prompts) goes through /v1/completions, as continuations.
-    assert main(["data", "regenerate", "--target", str(target_dir), "--server", server.url, "--limit", "3",
+    assert main(["data", "regenerate", "--target", str(corpus_target_dir), "--server", server.url, "--limit", "3",
                  "--out", str(tmp_path / "plain.jsonl"), "--temperature", "0",
                  "--max-new-tokens", str(NEW_TOKENS)]) == 0
-    assert read(tmp_path / "plain.jsonl") == greedy_in_process(target, tokenizer, embedded_conversations(3),
+    assert read(tmp_path / "plain.jsonl") == greedy_in_process(corpus_target, tokenizer, embedded_conversations(3),
                                                                tmp_path / "plain-local.jsonl", plain=True)
 
 
 @pytest.mark.slow  # starts a second server (about 30 s on two cores)
 def test_a_rerun_after_the_server_stopped_resumes_without_losing_or_repeating(
-        server, target_dir, target, tokenizer, tmp_path, monkeypatch):
+        server, corpus_target_dir, corpus_target, tokenizer, tmp_path, monkeypatch):
     out = tmp_path / "regen.jsonl"
-    sampling = decoding_for(target_dir, tokenizer, ReplyDecoding(max_new_tokens=NEW_TOKENS), False)
-    doomed = LocalServer(target_dir, tmp_path / "doomed.log", threads=1)
+    sampling = decoding_for(corpus_target_dir, tokenizer, ReplyDecoding(max_new_tokens=NEW_TOKENS), False)
+    doomed = LocalServer(corpus_target_dir, tmp_path / "doomed.log", threads=1)
     answer, asked = regen_server.answer_conversation, []
 
     def stop_at_third(client, messages, index):
@@ -117,7 +117,7 @@ def test_a_rerun_after_the_server_stopped_resumes_without_losing_or_repeating(
     monkeypatch.setattr(regen_server, "answer_conversation", stop_at_third)
     try:
         with pytest.raises(DraftsmithError, match=rf"server {doomed.url}: unreachable .*gave up after 2 tries"):
-            regenerate_via_servers([doomed.url], str(target_dir), tokenizer, CONVERSATIONS, out, sampling,
+            regenerate_via_servers([doomed.url], str(corpus_target_dir), tokenizer, CONVERSATIONS, out, sampling,
                                    limits=fast_limits(in_flight=1))
     finally:
         doomed.stop()
@@ -125,51 +125,51 @@ def test_a_rerun_after_the_server_stopped_resumes_without_losing_or_repeating(
     assert not out.exists() and len(read(partial)) == 3
 
     asked.clear()  # the rerun asks another server: the partial file is keyed by the work, not the URL
-    regenerate_via_servers([server.url], str(target_dir), tokenizer, CONVERSATIONS, out, sampling,
+    regenerate_via_servers([server.url], str(corpus_target_dir), tokenizer, CONVERSATIONS, out, sampling,
                            limits=fast_limits())
     assert sorted(asked) == [3, 4, 5]
-    assert read(out) == greedy_in_process(target, tokenizer, CONVERSATIONS, tmp_path / "local.jsonl")
+    assert read(out) == greedy_in_process(corpus_target, tokenizer, CONVERSATIONS, tmp_path / "local.jsonl")
 
 
-def test_a_recipe_names_the_server_dataset_folder_and_columns(server, target_dir, target, tokenizer, tmp_path):
+def test_a_recipe_names_the_server_dataset_folder_and_columns(server, corpus_target_dir, corpus_target, tokenizer, tmp_path):
     folder = hub_folder(tmp_path / "hub")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(json.dumps({"target": {"path": str(target_dir)}, "data": {
+    recipe.write_text(json.dumps({"target": {"path": str(corpus_target_dir)}, "data": {
         "dataset": str(folder), "dataset_config": "mtbench", "dataset_split": "test",
         "columns": {"turns": "questions"}, "regen_servers": [server.url], "regen_in_flight": 2}}))
     assert main(["data", "regenerate", "--recipe", str(recipe), "--out", str(tmp_path / "out.jsonl"),
                  "--temperature", "0", "--max-new-tokens", str(NEW_TOKENS)]) == 0
     expected = [[{"role": "user", "content": q} for q in row["questions"]] for row in MTBENCH]
-    assert read(tmp_path / "out.jsonl") == greedy_in_process(target, tokenizer, expected, tmp_path / "local.jsonl")
+    assert read(tmp_path / "out.jsonl") == greedy_in_process(corpus_target, tokenizer, expected, tmp_path / "local.jsonl")
 
 
-def test_post_hoc_training_data_comes_from_the_recipes_server(server, target_dir, target, tokenizer, tmp_path):
+def test_post_hoc_training_data_comes_from_the_recipes_server(server, corpus_target_dir, corpus_target, tokenizer, tmp_path):
     from draftsmith.data.posthoc_rows import conversations_file
     from draftsmith.recipe import load_recipe
 
     data = write_jsonl(tmp_path / "convs.jsonl", CONVERSATIONS[:3])
-    recipe = load_recipe(None, [f"target.path={target_dir}", f"data.dataset={data}",
+    recipe = load_recipe(None, [f"target.path={corpus_target_dir}", f"data.dataset={data}",
                                 f'data.regen_servers=["{server.url}"]', "data.regen_temperature=0",
                                 f"data.regen_max_new_tokens={NEW_TOKENS}"])
     source, plain = conversations_file(recipe, None, tokenizer)  # the target is not needed: the server answers
     assert not plain
-    assert read(source) == greedy_in_process(target, tokenizer, CONVERSATIONS[:3], tmp_path / "local.jsonl")
+    assert read(source) == greedy_in_process(corpus_target, tokenizer, CONVERSATIONS[:3], tmp_path / "local.jsonl")
 
 
-def test_bad_servers_are_refused_in_one_line_and_nothing_written_is_lost(server, target_dir, tmp_path, capsys):
+def test_bad_servers_are_refused_in_one_line_and_nothing_written_is_lost(server, corpus_target_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "convs.jsonl", CONVERSATIONS[:2])
     out = tmp_path / "out.jsonl"
     out.write_text("an earlier run's file\n")
     other = tmp_path / "other"  # the same weights under another name: not the target the server names
-    shutil.copytree(target_dir, other)
-    retrained = tmp_path / "copy" / target_dir.name  # same name, another tokenizer
-    shutil.copytree(target_dir, retrained)
+    shutil.copytree(corpus_target_dir, other)
+    retrained = tmp_path / "copy" / corpus_target_dir.name  # same name, another tokenizer
+    shutil.copytree(corpus_target_dir, retrained)
     train_tokenizer(load_embedded_corpus("train", max_chars=60_000), vocab_size=300, out_dir=tmp_path / "tok")
     for file in (tmp_path / "tok").iterdir():
         shutil.copy(file, retrained / file.name)
     cases = [
-        (target_dir, f"http://127.0.0.1:{free_port()}", "unreachable on /v1/models"),
-        (other, server.url, f"serves {target_dir}, not the target {other}"),
+        (corpus_target_dir, f"http://127.0.0.1:{free_port()}", "unreachable on /v1/models"),
+        (other, server.url, f"serves {corpus_target_dir}, not the target {other}"),
         (retrained, server.url, "prompt tokens for a probe the target's tokenizer makes"),
     ]
     for folder, url, message in cases:
@@ -182,7 +182,7 @@ def test_bad_servers_are_refused_in_one_line_and_nothing_written_is_lost(server,
     assert not list(tmp_path.glob(".out.jsonl*"))
 
 
-def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target_dir, tokenizer, tmp_path,
+def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(corpus_target_dir, tokenizer, tmp_path,
                                                                           monkeypatch):
     """The partial file is keyed on the target's weights, not its folder: no server is
     needed to see it, a stand-in client answers."""
@@ -207,7 +207,7 @@ def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(target
 
     monkeypatch.setattr(regen_server, "ServerClient", Stand)
     folder, out = tmp_path / "target", tmp_path / "regen.jsonl"
-    shutil.copytree(target_dir, folder)
+    shutil.copytree(corpus_target_dir, folder)
     sampling = ReplyDecoding(max_new_tokens=NEW_TOKENS, stop_ids=(0,))
     run = lambda: regenerate_via_servers(["http://stand-in"], str(folder), tokenizer, CONVERSATIONS, out,  # noqa: E731
                                          sampling, limits=fast_limits(in_flight=1))
@@ -238,40 +238,40 @@ def run_processes(world, job):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_processes_share_regeneration_and_merge_to_one_processs_file(target, tokenizer, tmp_path, temperature):
+def test_processes_share_regeneration_and_merge_to_one_processs_file(corpus_target, tokenizer, tmp_path, temperature):
     conversations = CONVERSATIONS[:5]  # batches of 2: [0 1] [2 3] [4]; process 0 answers two, process 1 one
     settings = dict(how=ReplyDecoding(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=3), batch_size=2)
-    single = regenerate(target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
-    merged = run_processes(2, lambda procs: regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl",
+    single = regenerate(corpus_target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
+    merged = run_processes(2, lambda procs: regenerate(corpus_target, tokenizer, conversations, tmp_path / "two.jsonl",
                                                        processes=procs, **settings))
     assert merged.read_bytes() == single.read_bytes()
     assert not list(tmp_path.glob(".*partial*"))
 
 
-def test_a_process_resumes_its_own_share(target, tokenizer, tmp_path, monkeypatch):
+def test_a_process_resumes_its_own_share(corpus_target, tokenizer, tmp_path, monkeypatch):
     import draftsmith.data.regenerate as regen
 
     conversations = CONVERSATIONS[:5]
     settings = dict(how=ReplyDecoding(max_new_tokens=NEW_TOKENS), batch_size=2)
-    single = regenerate(target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
-    regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl", processes=Processes(1, 2), **settings)
+    single = regenerate(corpus_target, tokenizer, conversations, tmp_path / "one.jsonl", **settings)
+    regenerate(corpus_target, tokenizer, conversations, tmp_path / "two.jsonl", processes=Processes(1, 2), **settings)
     answer, answered = regen._answer, []
     monkeypatch.setattr(regen, "_answer", lambda t, tok, batch, first, *how: answered.append(first) or
                         answer(t, tok, batch, first, *how))
     # Process 1 is restarted: its batch is on disk, so only process 0's batches are answered.
-    run_processes(2, lambda procs: regenerate(target, tokenizer, conversations, tmp_path / "two.jsonl",
+    run_processes(2, lambda procs: regenerate(corpus_target, tokenizer, conversations, tmp_path / "two.jsonl",
                                               processes=procs, **settings))
     assert answered == [0, 4]
     assert (tmp_path / "two.jsonl").read_bytes() == single.read_bytes()
 
 
-def test_processes_share_the_feature_cache(target, tmp_path):
+def test_processes_share_the_feature_cache(corpus_target, tmp_path):
     tokens = {"input_ids": torch.randint(0, 500, (7, 12)), "loss_mask": torch.ones(7, 12, dtype=torch.long),
               "attention_mask": torch.ones(7, 12, dtype=torch.long)}
 
     def compute(batch):
         with torch.no_grad():
-            return {"hidden": target(batch["input_ids"], output_hidden_states=True).hidden_states[1]}
+            return {"hidden": corpus_target(batch["input_ids"], output_hidden_states=True).hidden_states[1]}
 
     identity = {"target": {"path": "tiny", "fingerprint": {"weights": "x"}}, "method": "test"}
     single = write_feature_cache(tmp_path / "one", identity, tokens, compute, batch_size=2, shard_rows=2)
@@ -339,7 +339,7 @@ def test_bad_datasets_are_refused_in_one_line(tmp_path, args, message):
 
 
 @pytest.mark.slow  # two launched processes, each importing torch and transformers
-def test_two_launched_processes_write_the_file_one_process_writes(target_dir, target, tokenizer, tmp_path):
+def test_two_launched_processes_write_the_file_one_process_writes(corpus_target_dir, corpus_target, tokenizer, tmp_path):
     import os
     import subprocess
     import sys
@@ -353,18 +353,18 @@ def test_two_launched_processes_write_the_file_one_process_writes(target_dir, ta
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(root / "recipes" / "accelerate" / "ddp.yaml"), "--num_processes", "2", "--mixed_precision", "no",
               "--main_process_port", str(free_port()), "-m", "draftsmith.cli", "data", "regenerate",
-              "--target", str(target_dir), "--dataset", str(data), "--out", str(tmp_path / "two.jsonl"), *sampled]
+              "--target", str(corpus_target_dir), "--dataset", str(data), "--out", str(tmp_path / "two.jsonl"), *sampled]
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(launch, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    single = regenerate(target, tokenizer, load_conversations(data), tmp_path / "one.jsonl",
+    single = regenerate(corpus_target, tokenizer, load_conversations(data), tmp_path / "one.jsonl",
                         ReplyDecoding(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=5), batch_size=2)
     assert (tmp_path / "two.jsonl").read_bytes() == single.read_bytes()
     assert not list(tmp_path.glob(".*partial*"))
 
 
 @pytest.mark.slow  # two launched processes, each importing torch and transformers
-def test_two_launched_processes_write_the_feature_cache_one_process_writes(target_dir, tmp_path):
+def test_two_launched_processes_write_the_feature_cache_one_process_writes(corpus_target_dir, tmp_path):
     import os
     import subprocess
     import sys
@@ -374,7 +374,7 @@ def test_two_launched_processes_write_the_feature_cache_one_process_writes(targe
     from tiny_runs import ROOT, overrides
 
     deeper = tmp_path / "deeper"  # EAGLE-3 reads three target layers: four at least
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(corpus_target_dir))
     build_tiny_target(vocab_size=len(tokenizer), num_layers=4, hidden_size=64, num_heads=4,
                       num_kv_heads=1).save_pretrained(deeper)
     tokenizer.save_pretrained(deeper)

@@ -30,27 +30,12 @@ from draftsmith.models.dflash import (
 )
 from draftsmith.models.formats.dflash import export_dflash_zlab, read
 from draftsmith.models.native import load_drafter, save_drafter
-from draftsmith.models.target import build_tiny_target, freeze, target_forward
+from draftsmith.models.target import target_forward
+from tiny_models import MASK, drafter_for, tiny_target
 
-VOCAB, MASK = 128, 127
 QWEN3_8B = SimpleNamespace(num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, num_hidden_layers=36,
                            vocab_size=151936, intermediate_size=12288, head_dim=128, rms_norm_eps=1e-6,
                            rope_parameters={"rope_theta": 1e6}, max_position_embeddings=40960)
-
-
-def tiny_target(arch="qwen3"):
-    return freeze(build_tiny_target(seed=1, arch=arch, vocab_size=VOCAB, num_layers=6, hidden_size=64,
-                                    num_heads=4, num_kv_heads=2))
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
-
-def drafter_for(target, **overrides):
-    settings = {"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2, "block_size": 6, **overrides}
-    return DFlashDrafter(DFlashConfig.from_target(target.config, **settings)).eval()
 
 
 def features(target, ids, layer_ids):

@@ -29,13 +29,7 @@ from draftsmith.models.formats.dflash import export_dflash_zlab
 from draftsmith.models.formats.dspark import export_dspark_deepspec, export_dspark_specforge
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
-from test_dflash import MASK, VOCAB, target, tiny_target  # noqa: F401  (shared tiny target and fixture)
-
-
-def dspark_for(target, **overrides) -> DSparkDrafter:
-    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2, "block_size": 5,
-                                                       "markov_rank": 8, **overrides})
-    return DSparkDrafter(config).eval()
+from tiny_models import MASK, VOCAB, dspark_for, tiny_target
 
 
 def with_trained_refiner(drafter: DSparkDrafter) -> DSparkDrafter:

@@ -13,7 +13,7 @@ import torch
 from draftsmith.cli import main
 from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE, collect, fit_sts, write_sts
 from draftsmith.models.native import save_drafter
-from test_exports import MASK, dspark, one_line_error, target, target_dir  # noqa: F401 (fixtures)
+from tiny_models import MASK, dspark, one_line_error
 
 
 def sglang_sts_reads(data: dict, gamma: int) -> list[float]:

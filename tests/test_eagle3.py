@@ -27,12 +27,9 @@ from draftsmith.models.formats.eagle3 import export_eagle3, load_eagle3_export
 from draftsmith.models.native import config_from_dict, load_drafter, save_drafter
 from draftsmith.models.target import build_tiny_target, target_forward
 from draftsmith.recipe import recipe_from_dict
+from tiny_models import PEAKY_ARCHS, PEAKY_VOCAB, peaky_target
 
-VOCAB = 256
-ARCHS = {
-    "llama": dict(arch="llama", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=1),
-    "qwen3": dict(arch="qwen3", num_layers=5, hidden_size=48, num_heads=4, num_kv_heads=2),
-}
+VOCAB, ARCHS = PEAKY_VOCAB, PEAKY_ARCHS  # peaky_target's
 PROMPT, NEW = 8, 40
 EXPORT_NAMES = {
     "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
@@ -40,15 +37,6 @@ EXPORT_NAMES = {
     *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
     *(f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")),
 }
-
-
-def peaky_target(arch: str):
-    """A tiny random target whose next-token distributions are sharp enough to learn
-    from in a few steps (its output head scaled up)."""
-    target = build_tiny_target(seed=1, vocab_size=VOCAB, **ARCHS[arch]).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(6)
-    return target
 
 
 def features(target, drafter, ids):

@@ -8,7 +8,7 @@ import pytest
 
 from chat_fixtures import save_tiny_chat_target
 from draftsmith.cli import main
-from hub_fixtures import add_repo, datasets_cache, hub_cache, parquet  # noqa: F401 (fixtures)
+from hub_fixtures import add_repo, parquet
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +18,7 @@ def qwen3_target(tmp_path_factory):
     return folder, tokenizer
 
 
-@pytest.fixture(autouse=True)
-def _own_datasets_cache(datasets_cache):  # noqa: F811
-    pass
+pytestmark = pytest.mark.usefixtures("datasets_cache")  # a datasets cache of each test's own
 
 
 def run_eval(target, out, *extra):
@@ -70,7 +68,7 @@ configs:
 """
 
 
-def test_benchmarks_by_name_through_datasets(qwen3_target, hub_cache, tmp_path):  # noqa: F811
+def test_benchmarks_by_name_through_datasets(qwen3_target, hub_cache, tmp_path):
     folder, tokenizer = qwen3_target
     add_repo(hub_cache, "HuggingFaceH4/mt_bench_prompts", {"data/train-00000-of-00001.parquet": parquet(
         {"prompt": [["Write a haiku.", "Now in French."], ["Explain DNS.", "Shorter."]],
@@ -89,7 +87,7 @@ def test_benchmarks_by_name_through_datasets(qwen3_target, hub_cache, tmp_path):
     assert "Tom has 2 apples.\nPlease reason step by step, and put your final answer within \\boxed{}." in text
 
 
-def test_bad_eval_input_is_one_line_before_any_decoding(qwen3_target, hub_cache, tmp_path, capsys):  # noqa: F811
+def test_bad_eval_input_is_one_line_before_any_decoding(qwen3_target, hub_cache, tmp_path, capsys):
     folder, _ = qwen3_target
     llama = tmp_path / "llama"
     save_tiny_chat_target("llama31", llama)

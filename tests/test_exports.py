@@ -11,92 +11,29 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from decoding_helpers import begin_like_decoder
 from draftsmith.cli import main
-from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers import proposer_from_arg
-from draftsmith.eval.proposers.base import GREEDY, SamplingParams
-from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
-from draftsmith.models.dspark import ANCHOR_IS_CONTEXT, DSparkConfig, DSparkDrafter
-from draftsmith.models.eagle3 import Eagle3Drafter
+from draftsmith.models.dspark import ANCHOR_IS_CONTEXT
 from draftsmith.models.export import export_run
 from draftsmith.models.formats.dspark import export_dspark_deepspec, export_dspark_specforge
-from draftsmith.models.mtp import MTP_DIR, MTPDrafter
+from draftsmith.models.mtp import MTP_DIR
 from draftsmith.models.native import save_drafter
 from draftsmith.models.target import build_tiny_target, freeze
 from draftsmith.registry import METHODS
+from tiny_models import (
+    MASK,
+    VOCAB,
+    WINDOWED,
+    assert_same_drafts,
+    dflash,
+    drafts,
+    dspark,
+    eagle3,
+    mtp_run,
+    one_line_error,
+)
 
-VOCAB, MASK = 128, 127
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    """A tiny Qwen3 target saved as a folder (DeepSpec's export copies its embedding and head)."""
-    folder = tmp_path_factory.mktemp("target")
-    freeze(build_tiny_target(seed=1, arch="qwen3", vocab_size=VOCAB, num_layers=6, hidden_size=64,
-                             num_heads=4, num_kv_heads=2)).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    from draftsmith.models.target import load_target
-
-    return freeze(load_target(target_dir))
-
-
-def with_random_heads(drafter):
-    with torch.no_grad():  # W2 starts at zero: give the refiner something to change
-        if isinstance(drafter, DSparkDrafter):
-            drafter.markov_head.markov_w2.weight.normal_(std=0.5)
-    return drafter.eval()
-
-
-def dflash(target, num_context_layers=2, **overrides):
-    return DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6,
-                                                  num_context_layers=num_context_layers, **overrides)).eval()
-
-
-# A sliding layer then a full one; block rows at 7..12 over a context 0..6 see from 2..7 on.
-WINDOWED = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
-
-
-def dspark(target, **overrides):
-    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2,
-                                                       "block_size": 5, "markov_rank": 8, **overrides})
-    return with_random_heads(DSparkDrafter(config))
-
-
-def eagle3(target, **overrides):
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=96, **overrides)
-    with torch.no_grad():  # a draft vocabulary that is not the identity
-        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:96].sort().values
-        t2d = torch.zeros(VOCAB, dtype=torch.bool)
-        t2d[ids] = True
-        drafter.set_draft_vocab(ids - torch.arange(96), t2d)
-    return drafter.eval()
-
-
-def drafts(proposer, target, prompt, n=4):
-    """Greedy draft tokens and a sampled draft with its probabilities, after the prompt,
-    fed the way the decoder feeds them."""
-    begin_like_decoder(proposer, target, prompt)
-    greedy = proposer.propose(n, GREEDY, None).tokens
-    sampled = proposer.propose(n, SamplingParams(temperature=1.0), torch.Generator().manual_seed(5))
-    return greedy, sampled.tokens, sampled.probs
-
-
-def assert_same_drafts(spec_a, spec_b, target, prompt):
-    first = drafts(proposer_from_arg(spec_a, target), target, prompt)
-    second = drafts(proposer_from_arg(spec_b, target), target, prompt)
-    for a, b in zip(first, second):
-        assert (a is None and b is None) or torch.equal(a, b)
-
-
-def one_line_error(call, match):
-    with pytest.raises(DraftsmithError, match=match) as caught:
-        call()
-    assert "\n" not in str(caught.value)
+# The tiny Qwen3 target (conftest.py's `target` and `target_dir`) and its drafters: tiny_models.py.
 
 
 # ---------------------------------------------------------------- round trips
@@ -188,18 +125,6 @@ def tiny_deepseek(seed=1, layers=3):
         qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=128)
     torch.manual_seed(seed)
     return freeze(DeepseekV3ForCausalLM(config))
-
-
-def mtp_run(tmp_path, target, name):
-    """What the mtp recipe writes: the target folder with its MTP modules in mtp/."""
-    heads = MTPDrafter.from_target(target, num_depths=2)
-    with torch.no_grad():  # every weight set here: MoE experts are built uninitialised (torch.empty)
-        for param_name, p in heads.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if param_name.endswith("norm.weight") else 0.0))
-    folder = tmp_path / name / "model"
-    target.save_pretrained(folder)
-    save_drafter(heads, folder / MTP_DIR, extra={"num_nextn_predict_layers": 2})
-    return tmp_path / name
 
 
 def test_mtp_vllm_layout_round_trips_and_keeps_the_target_loadable(tmp_path):

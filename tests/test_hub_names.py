@@ -12,11 +12,11 @@ from draftsmith.data.conversations import load_conversations
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers import parse_drafter_arg
 from draftsmith.models.target import find_model_dir
-from hub_fixtures import add_folder, add_repo, datasets_cache, hub_cache  # noqa: F401 (fixtures)
+from hub_fixtures import add_folder, add_repo
 
 
 @pytest.fixture
-def cached_target(hub_cache, tmp_path):  # noqa: F811
+def cached_target(hub_cache, tmp_path):
     model, tokenizer = save_tiny_chat_target("llama31", tmp_path / "made")
     return add_folder(hub_cache, "meta-tiny/Llama-3.1-tiny-Instruct", tmp_path / "made"), model
 
@@ -29,7 +29,7 @@ def test_target_and_plan_by_hub_name(cached_target, capsys):
     assert "H = 4 query, KV = 1\nG      4\n" in capsys.readouterr().out
 
 
-def test_names_not_in_the_cache_offline_are_one_line(hub_cache, capsys):  # noqa: F811
+def test_names_not_in_the_cache_offline_are_one_line(hub_cache, capsys):
     assert find_model_dir("nobody/nothing") == "nobody/nothing"  # left for the loader to name
     with pytest.raises(DraftsmithError) as err:
         find_model_dir("nobody/nothing", require="target")
@@ -42,7 +42,7 @@ def test_names_not_in_the_cache_offline_are_one_line(hub_cache, capsys):  # noqa
     assert len(lines) == 1 and "not in the local Hugging Face cache" in lines[0]
 
 
-def test_eval_with_a_hub_target_and_a_published_drafter_by_name(cached_target, hub_cache, tmp_path):  # noqa: F811
+def test_eval_with_a_hub_target_and_a_published_drafter_by_name(cached_target, hub_cache, tmp_path):
     from draftsmith.models.eagle3 import Eagle3Drafter
     from draftsmith.models.native import save_drafter
 
@@ -59,7 +59,7 @@ def test_eval_with_a_hub_target_and_a_published_drafter_by_name(cached_target, h
     assert report["settings"]["num_prompts"] == 2 and report["drafters"][0]["tau"] >= 1.0
 
 
-def test_data_dataset_by_hub_name(hub_cache, datasets_cache):  # noqa: F811
+def test_data_dataset_by_hub_name(hub_cache, datasets_cache):
     record = {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}
     add_repo(hub_cache, "someone/chats", {"data/train.jsonl": (json.dumps(record) + "\n").encode()},
              repo_type="dataset")
@@ -68,7 +68,7 @@ def test_data_dataset_by_hub_name(hub_cache, datasets_cache):  # noqa: F811
         load_conversations("someone/other")
 
 
-def test_a_text_corpus_by_hub_name(hub_cache, datasets_cache):  # noqa: F811
+def test_a_text_corpus_by_hub_name(hub_cache, datasets_cache):
     from draftsmith.data.corpus import load_text_dataset
 
     add_repo(hub_cache, "someone/corpus", {"train.jsonl": b'{"text": "one"}\n{"text": "two"}\n'}, repo_type="dataset")

@@ -35,8 +35,8 @@ from transformers import LlamaConfig, Qwen3Config
 from draftsmith.models.dflash import sample_anchors
 from draftsmith.models.export import export_run
 from draftsmith.models.native import save_drafter
-from test_exports import MASK, VOCAB, dflash, dspark, eagle3, target, target_dir  # noqa: F401 (fixtures)
-from test_parity import load_reference, reference
+from reference_impls import load_reference, reference
+from tiny_models import MASK, VOCAB, dflash, dspark, eagle3
 
 RTOL = 1e-5  # float32 throughout; relative, with no absolute slack
 

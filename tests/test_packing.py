@@ -10,17 +10,10 @@ from draftsmith.data.packing import first_fit, pack_rows
 from draftsmith.models.attention import document_ids
 from draftsmith.models.dflash import concat_layers, sample_anchors
 from draftsmith.models.target import build_tiny_target, freeze, target_forward
-from test_dflash import MASK, VOCAB, drafter_for, tiny_target
-from test_dspark import dspark_for
-from test_eagle3 import peaky_target
+from tiny_models import MASK, VOCAB, drafter_for, dspark_for, peaky_target
 
 WIDTH = 40
 LENGTHS = (31, 12, 22, 9, 17, 6)  # packed into rows of 40: [31, 9], [22, 17], [12, 6]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 def conversation_rows(lengths=LENGTHS, seed=0) -> list[dict[str, torch.Tensor]]:

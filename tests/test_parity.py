@@ -23,18 +23,8 @@ from transformers import LlamaConfig, Qwen3Config
 from draftsmith.models.eagle3 import DraftKV
 from draftsmith.models.export import export_run
 from draftsmith.models.native import save_drafter
-from test_exports import MASK, dflash, dspark, eagle3, target, target_dir  # noqa: F401 (fixtures)
-
-INSTALL = "pip install --no-deps specforge==0.2.0 dflash==0.1.0 (make test does)"
-
-
-def reference(module: str):
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        pytest.fail(f"{module} does not import ({error}): {INSTALL}")
+from reference_impls import load_reference, reference
+from tiny_models import MASK, dflash, dspark, eagle3
 
 
 def block_inputs(target, drafter):
@@ -44,14 +34,6 @@ def block_inputs(target, drafter):
     feats = torch.randn(1, 7, width, generator=torch.Generator().manual_seed(0))
     embeds = target.get_input_embeddings()(torch.tensor([[5] + [MASK] * 5]))
     return feats, embeds, torch.arange(7 + 6)[None]
-
-
-def load_reference(cls, out, config):
-    """The reference class built from our config.json, our weights loaded strictly."""
-    model = cls(config).eval()
-    missing, unexpected = model.load_state_dict(load_file(str(out / "model.safetensors")), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    return model
 
 
 def ours_block(drafter, feats, embeds, positions):

@@ -8,12 +8,9 @@ import pytest
 from draftsmith.cli import main
 from draftsmith.data.prepare import SOURCES, prepare
 from draftsmith.errors import DraftsmithError
-from hub_fixtures import add_repo, datasets_cache, hub_cache, parquet  # noqa: F401 (fixtures)
+from hub_fixtures import add_repo, parquet
 
-
-@pytest.fixture(autouse=True)
-def _own_datasets_cache(datasets_cache):  # noqa: F811
-    pass
+pytestmark = pytest.mark.usefixtures("datasets_cache")  # a datasets cache of each test's own
 
 
 def turn(who, text):
@@ -56,7 +53,7 @@ def read(path):
     return [json.loads(line)["messages"] for line in path.read_text().splitlines()]
 
 
-def test_each_dataset_prepared_from_the_hub_cache_as_messages(hub_cache, tmp_path, capsys):  # noqa: F811
+def test_each_dataset_prepared_from_the_hub_cache_as_messages(hub_cache, tmp_path, capsys):
     fill(hub_cache)
     sharegpt = read(prepare("sharegpt", tmp_path / "sharegpt.jsonl"))
     assert sharegpt == [
@@ -72,7 +69,7 @@ def test_each_dataset_prepared_from_the_hub_cache_as_messages(hub_cache, tmp_pat
         [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]]
 
 
-def test_command_line_and_a_local_copy(hub_cache, tmp_path, capsys):  # noqa: F811
+def test_command_line_and_a_local_copy(hub_cache, tmp_path, capsys):
     fill(hub_cache)
     out = tmp_path / "u.jsonl"
     assert main(["data", "prepare", "ultrachat", "--out", str(out), "--limit", "1"]) == 0
@@ -82,7 +79,7 @@ def test_command_line_and_a_local_copy(hub_cache, tmp_path, capsys):  # noqa: F8
     assert len(read(prepare("perfectblend", tmp_path / "b.jsonl", source=copy))) == 2
 
 
-def test_bad_input_is_one_line_and_writes_nothing(hub_cache, tmp_path, capsys):  # noqa: F811
+def test_bad_input_is_one_line_and_writes_nothing(hub_cache, tmp_path, capsys):
     out = tmp_path / "x.jsonl"
     with pytest.raises(DraftsmithError) as err:
         prepare("ultrachat", out)

@@ -28,7 +28,7 @@ from chat_fixtures import save_tiny_chat_target, tiny_chat_tokenizer
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.recipe import load_recipe
-from hub_fixtures import add_folder, add_repo, datasets_cache, hub_cache, parquet  # noqa: F401 (fixtures)
+from hub_fixtures import add_folder, add_repo, parquet
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = "pretrain_1b"
@@ -92,7 +92,7 @@ def put_hub(hub: Path, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def hub(hub_cache, datasets_cache, tmp_path):  # noqa: F811
+def hub(hub_cache, datasets_cache, tmp_path):
     put_hub(hub_cache, tmp_path)
     return hub_cache
 

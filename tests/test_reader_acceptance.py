@@ -24,9 +24,8 @@ from draftsmith.models.dflash import concat_layers
 from draftsmith.models.export import export_run
 from draftsmith.models.native import save_drafter
 from draftsmith.models.target import target_forward
-from test_exports import MASK, VOCAB, dflash, dspark, target, target_dir  # noqa: F401 (fixtures)
-from test_parity import reference
-from test_speculators_format import reference_model
+from reference_impls import reference, reference_model
+from tiny_models import MASK, VOCAB, dflash, dspark
 
 NEW_TOKENS = 24
 

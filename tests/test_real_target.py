@@ -29,7 +29,7 @@ from draftsmith.models.gguf import PROVENANCE, converted_folder, file_sha256, gg
 from draftsmith.models.target import build_tiny_target, find_model_dir, load_target
 from draftsmith.registry import METHODS, proposer_names
 from test_architectures import METHOD_PROPOSERS
-from test_exports import assert_same_drafts
+from tiny_models import assert_same_drafts
 
 REAL = "smollm2-135m-instruct"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "smollm2_135m"

@@ -30,7 +30,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def target(tokenizer):
+def corpus_target(tokenizer):
     model = build_tiny_target(vocab_size=len(tokenizer), num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1)
     return model.eval()
 
@@ -53,8 +53,8 @@ def read(path):
     return [json.loads(line)["messages"] for line in path.read_text().splitlines()]
 
 
-def test_greedy_replies_are_the_targets_turn_by_turn(target, tokenizer, tmp_path):
-    out = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "regen.jsonl", GREEDY, batch_size=3)
+def test_greedy_replies_are_the_targets_turn_by_turn(corpus_target, tokenizer, tmp_path):
+    out = regenerate(corpus_target, tokenizer, CONVERSATIONS, tmp_path / "regen.jsonl", GREEDY, batch_size=3)
     records = read(out)
     assert len(records) == len(CONVERSATIONS) and not list(tmp_path.glob(".*partial"))
     for original, record in zip(CONVERSATIONS, records):
@@ -64,24 +64,24 @@ def test_greedy_replies_are_the_targets_turn_by_turn(target, tokenizer, tmp_path
         for i, message in enumerate(record):
             if message["role"] == "user":
                 assert record[i + 1]["role"] == "assistant"
-                assert record[i + 1]["content"] == greedy_reply(target, tokenizer, record[: i + 1])
+                assert record[i + 1]["content"] == greedy_reply(corpus_target, tokenizer, record[: i + 1])
     assert records[1][3]["content"] != "a human reply, to be replaced"
 
 
-def test_embedded_prompts_are_continued_as_plain_text(target, tokenizer, tmp_path):
+def test_embedded_prompts_are_continued_as_plain_text(corpus_target, tokenizer, tmp_path):
     conversations = embedded_conversations(4, max_chars=200)
     assert conversations == embedded_conversations(4, max_chars=200)
-    records = read(regenerate(target, tokenizer, conversations, tmp_path / "plain.jsonl", GREEDY, batch_size=4,
+    records = read(regenerate(corpus_target, tokenizer, conversations, tmp_path / "plain.jsonl", GREEDY, batch_size=4,
                               plain=True))
     for (prompt,), (user, reply) in zip(conversations, records):
         assert user == prompt and reply["role"] == "assistant"
-        assert reply["content"] == greedy_reply(target, tokenizer, [prompt], plain=True)
+        assert reply["content"] == greedy_reply(corpus_target, tokenizer, [prompt], plain=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_resume_after_an_interruption_gives_the_same_file(target, tokenizer, tmp_path, monkeypatch, temperature):
+def test_resume_after_an_interruption_gives_the_same_file(corpus_target, tokenizer, tmp_path, monkeypatch, temperature):
     settings = dict(how=ReplyDecoding(max_new_tokens=NEW_TOKENS, temperature=temperature, seed=7), batch_size=2)
-    whole = regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "whole.jsonl", **settings).read_bytes()
+    whole = regenerate(corpus_target, tokenizer, CONVERSATIONS, tmp_path / "whole.jsonl", **settings).read_bytes()
 
     answer, calls = regen._answer, []
 
@@ -94,29 +94,29 @@ def test_resume_after_an_interruption_gives_the_same_file(target, tokenizer, tmp
     out = tmp_path / "resumed.jsonl"
     monkeypatch.setattr(regen, "_answer", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        regenerate(target, tokenizer, CONVERSATIONS, out, **settings)
+        regenerate(corpus_target, tokenizer, CONVERSATIONS, out, **settings)
     (partial,) = tmp_path.glob(".resumed.jsonl.*.partial")
     assert not out.exists() and len(partial.read_text().splitlines()) == 4
     with partial.open("a") as handle:  # a record the interruption cut short
         handle.write('{"messages": [{"role": "us')
 
     monkeypatch.setattr(regen, "_answer", answer)
-    assert regenerate(target, tokenizer, CONVERSATIONS, out, **settings).read_bytes() == whole
+    assert regenerate(corpus_target, tokenizer, CONVERSATIONS, out, **settings).read_bytes() == whole
     assert not partial.exists()
 
 
-def test_bad_inputs(target, tokenizer, tmp_path):
+def test_bad_inputs(corpus_target, tokenizer, tmp_path):
     with pytest.raises(DraftsmithError, match="conversation 1 has no user turn"):
-        regenerate(target, tokenizer, [CONVERSATIONS[0], [{"role": "system", "content": "hi"}]], tmp_path / "x.jsonl",
+        regenerate(corpus_target, tokenizer, [CONVERSATIONS[0], [{"role": "system", "content": "hi"}]], tmp_path / "x.jsonl",
                    GREEDY)
     with pytest.raises(DraftsmithError, match="temperature"):
-        regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", ReplyDecoding(temperature=-1))
+        regenerate(corpus_target, tokenizer, CONVERSATIONS, tmp_path / "x.jsonl", ReplyDecoding(temperature=-1))
     with pytest.raises(DraftsmithError, match="no conversations"):
-        regenerate(target, tokenizer, [], tmp_path / "x.jsonl", GREEDY)
+        regenerate(corpus_target, tokenizer, [], tmp_path / "x.jsonl", GREEDY)
 
 
-def test_command_answers_a_conversation_file(target, tokenizer, tmp_path):
-    target.save_pretrained(tmp_path / "target")
+def test_command_answers_a_conversation_file(corpus_target, tokenizer, tmp_path):
+    corpus_target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     dataset = tmp_path / "bench.jsonl"
     dataset.write_text('{"turns": ["def f():", "and g?"]}\n{"prompt": "import re"}\n{"prompt": "unused"}\n')
@@ -124,24 +124,24 @@ def test_command_answers_a_conversation_file(target, tokenizer, tmp_path):
                              DataSection(dataset=str(dataset)), limit=2)
     records = read(out)
     assert [[m["role"] for m in r] for r in records] == [["user", "assistant"] * 2, ["user", "assistant"]]
-    assert records[1][1]["content"] == greedy_reply(target, tokenizer, records[1][:1])
+    assert records[1][1]["content"] == greedy_reply(corpus_target, tokenizer, records[1][:1])
     with pytest.raises(DraftsmithError, match="cannot load the tokenizer"):
         (tmp_path / "bare").mkdir()
-        target.save_pretrained(tmp_path / "bare")
+        corpus_target.save_pretrained(tmp_path / "bare")
         regenerate_command(str(tmp_path / "bare"), str(tmp_path / "y.jsonl"), Regeneration(GREEDY), DataSection())
 
 
-def test_sampled_regeneration_is_reproducible_from_its_seed(target, tokenizer, tmp_path):
+def test_sampled_regeneration_is_reproducible_from_its_seed(corpus_target, tokenizer, tmp_path):
     settings = dict(max_new_tokens=12, temperature=0.7, top_p=0.8, top_k=20)
 
     def sampled(name, **how):
-        return regenerate(target, tokenizer, CONVERSATIONS, tmp_path / name, ReplyDecoding(**{**settings, **how}),
+        return regenerate(corpus_target, tokenizer, CONVERSATIONS, tmp_path / name, ReplyDecoding(**{**settings, **how}),
                           batch_size=2)
 
     first, again, other = (sampled(name, seed=seed).read_bytes() for name, seed in (("a.jsonl", 3), ("b.jsonl", 3), ("c.jsonl", 4)))
     assert first == again and first != other
     # top_k reaches the sampler: sampling among the single likeliest token is greedy decoding.
-    greedy = read(regenerate(target, tokenizer, CONVERSATIONS, tmp_path / "g.jsonl", ReplyDecoding(max_new_tokens=12),
+    greedy = read(regenerate(corpus_target, tokenizer, CONVERSATIONS, tmp_path / "g.jsonl", ReplyDecoding(max_new_tokens=12),
                              batch_size=2))
     assert read(sampled("k1.jsonl", seed=5, top_k=1)) == greedy
     for bad, message in ((dict(top_p=0.0), "top_p must be in \\(0, 1\\]"), (dict(top_p=1.5), "top_p must be in"),

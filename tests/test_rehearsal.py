@@ -25,7 +25,7 @@ from chat_fixtures import FAMILIES, save_tiny_chat_target
 from draftsmith.cli import main
 from draftsmith.data.prepare import SOURCES, prepare
 from draftsmith.recipe import load_recipe
-from hub_fixtures import add_repo, datasets_cache, hub_cache  # noqa: F401 (fixtures)
+from hub_fixtures import add_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 # recipe folder -> (chat family of tests/chat_fixtures.py, tiny architecture of the same class)
@@ -52,9 +52,7 @@ SHAREGPT = [
 ] + [{"id": "tool", "conversations": [_turn("human", "Run it"), _turn("tool", "done")]}]
 
 
-@pytest.fixture(autouse=True)
-def _own_datasets_cache(datasets_cache):  # noqa: F811
-    pass
+pytestmark = pytest.mark.usefixtures("datasets_cache")  # a datasets cache of each test's own
 
 
 def _overrides(recipe: str, target: Path, data: Path, out: Path, steps: int) -> list[str]:
@@ -124,11 +122,11 @@ def test_every_real_recipe_is_rehearsed():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_rehearsal(recipe, tmp_path, hub_cache):  # noqa: F811
+def test_recipe_rehearsal(recipe, tmp_path, hub_cache):
     _check(rehearse(recipe, tmp_path, hub_cache, steps=1, prompts=1), recipe)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_rehearsal_longer(recipe, tmp_path, hub_cache):  # noqa: F811
+def test_recipe_rehearsal_longer(recipe, tmp_path, hub_cache):
     _check(rehearse(recipe, tmp_path, hub_cache, steps=6, prompts=4), recipe)

@@ -102,7 +102,7 @@ def scripted_server(answer):
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def chat_target_dir(tmp_path_factory):
     """A tiny target folder (its tokenizer and configs are all the server path reads)."""
     from chat_fixtures import save_tiny_chat_target
 
@@ -146,23 +146,23 @@ def nothing_written(tmp_path):
 
 @pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:21/v1", "http://:8000/v1", "http://127.0.0.1:port/v1",
                                  "127.0.0.1:8000"])
-def test_a_url_that_is_not_http_is_refused_before_any_request(target, tmp_path, capsys, url):
-    code, err = regenerate_cli(target, url, tmp_path, capsys)
+def test_a_url_that_is_not_http_is_refused_before_any_request(chat_target_dir, tmp_path, capsys, url):
+    code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
     assert_one_line(code, err, f"server {url!r}: not an http(s) URL")
     assert nothing_written(tmp_path)
 
 
 # ---------------------------------------------------------------- no answer
 
-def test_a_server_that_never_answers_is_one_line_within_the_startup_timeout(target, tmp_path):
+def test_a_server_that_never_answers_is_one_line_within_the_startup_timeout(chat_target_dir, tmp_path):
     sampling = ReplyDecoding(max_new_tokens=4, stop_ids=(0,))
     limits = Limits(in_flight=1, retries=3, startup_timeout=0.3, startup_retries=1)
     for models, path in ((HANG, "/v1/models"), (None, "/v1/chat/completions")):  # no list; no probe answer
-        hang = serving(target, chat=lambda body, headers: HANG, models=models)
+        hang = serving(chat_target_dir, chat=lambda body, headers: HANG, models=models)
         with scripted_server(hang) as (url, seen):
             started = time.monotonic()
             with pytest.raises(DraftsmithError) as caught:
-                regenerate_via_servers([url], str(target), None, [[{"role": "user", "content": "Hi"}]],
+                regenerate_via_servers([url], str(chat_target_dir), None, [[{"role": "user", "content": "Hi"}]],
                                        tmp_path / "out.jsonl", sampling, limits=limits)
             elapsed = time.monotonic() - started
         message = str(caught.value)
@@ -185,17 +185,17 @@ def test_a_server_that_never_answers_is_one_line_within_the_startup_timeout(targ
     (None, reply(usage={"completion_tokens": "abc"}),
      "conversation 0, turn 1: a malformed answer: usage.completion_tokens is 'abc', not a token count"),
 ])
-def test_a_malformed_answer_is_one_line_naming_the_server(target, tmp_path, capsys, models, chat, message):
-    script = serving(target, chat=lambda body, headers: (200, chat), models=models)
+def test_a_malformed_answer_is_one_line_naming_the_server(chat_target_dir, tmp_path, capsys, models, chat, message):
+    script = serving(chat_target_dir, chat=lambda body, headers: (200, chat), models=models)
     with scripted_server(script) as (url, _):
-        code, err = regenerate_cli(target, url, tmp_path, capsys)
+        code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
     assert_one_line(code, err, f"server {url.removesuffix('/v1')}", message)
     assert not (tmp_path / "out.jsonl").exists()
 
 
 # ---------------------------------------------------------------- status codes and retries
 
-def test_429_and_5xx_are_retried_then_the_run_completes(target, tmp_path, capsys):
+def test_429_and_5xx_are_retried_then_the_run_completes(chat_target_dir, tmp_path, capsys):
     failures = iter([(429, {"error": {"message": "slow down"}}), (503, {"error": {"message": "overloaded"}})])
 
     def chat(body, headers):
@@ -204,15 +204,15 @@ def test_429_and_5xx_are_retried_then_the_run_completes(target, tmp_path, capsys
         # retry-after-ms keeps the client's backoff short here; it honours the header as servers send it
         return next(failures, (200, reply())) + ({"retry-after-ms": "10"},)
 
-    with scripted_server(serving(target, chat=chat)) as (url, seen):
-        code, err = regenerate_cli(target, url, tmp_path, capsys)
+    with scripted_server(serving(chat_target_dir, chat=chat)) as (url, seen):
+        code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
     assert code == 0, err
     rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [[m["content"] for m in row if m["role"] == "assistant"] for row in rows] == [["Four.", "Four."], ["Four."]]
     assert len([s for s in seen if s[1] == "/v1/chat/completions"]) == 2 + 1 + 3  # two failures, probe, 3 turns
 
 
-def test_a_5xx_that_persists_gives_up_in_one_line_keeping_what_was_answered(target, tmp_path):
+def test_a_5xx_that_persists_gives_up_in_one_line_keeping_what_was_answered(chat_target_dir, tmp_path):
     calls = []
 
     def chat(body, headers):
@@ -225,10 +225,10 @@ def test_a_5xx_that_persists_gives_up_in_one_line_keeping_what_was_answered(targ
     conversations = [[{"role": "user", "content": "Two plus two?"}], [{"role": "user", "content": "Hi"}]]
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
-    with scripted_server(serving(target, chat=chat)) as (url, _):
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_target_dir))
+    with scripted_server(serving(chat_target_dir, chat=chat)) as (url, _):
         with pytest.raises(DraftsmithError) as caught:
-            regenerate_via_servers([url], str(target), tokenizer, conversations, tmp_path / "out.jsonl", sampling,
+            regenerate_via_servers([url], str(chat_target_dir), tokenizer, conversations, tmp_path / "out.jsonl", sampling,
                                    limits=Limits(in_flight=1, retries=2))
     message = str(caught.value)
     assert message.endswith("HTTP 503 on /v1/chat/completions: overloaded (gave up after 3 tries)"), message
@@ -237,7 +237,7 @@ def test_a_5xx_that_persists_gives_up_in_one_line_keeping_what_was_answered(targ
     assert [json.loads(line)["messages"][-1]["content"] for line in partial.read_text().splitlines()] == ["Four."]
 
 
-def test_other_4xx_is_one_line_naming_the_request_and_never_retried(target, tmp_path, capsys):
+def test_other_4xx_is_one_line_naming_the_request_and_never_retried(chat_target_dir, tmp_path, capsys):
     calls = []
 
     def chat(body, headers):
@@ -246,15 +246,15 @@ def test_other_4xx_is_one_line_naming_the_request_and_never_retried(target, tmp_
             return 400, {"error": {"message": "This model's maximum context length is 8 tokens"}}
         return 200, reply()
 
-    with scripted_server(serving(target, chat=chat)) as (url, _):
-        code, err = regenerate_cli(target, url, tmp_path, capsys)
+    with scripted_server(serving(chat_target_dir, chat=chat)) as (url, _):
+        code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
     assert_one_line(code, err, "conversation 0, turn 2: HTTP 400 on /v1/chat/completions: This model's maximum "
                                "context length is 8 tokens")
     assert calls.count("Squared?") == 1
     assert nothing_written(tmp_path)
 
 
-def test_the_key_comes_from_the_environment(target, tmp_path, capsys, monkeypatch):
+def test_the_key_comes_from_the_environment(chat_target_dir, tmp_path, capsys, monkeypatch):
     def chat(body, headers):
         if headers.get("Authorization") != "Bearer sk-local":
             return 401, {"error": {"message": "invalid api key"}}
@@ -262,14 +262,14 @@ def test_the_key_comes_from_the_environment(target, tmp_path, capsys, monkeypatc
 
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    with scripted_server(serving(target, chat=chat)) as (url, seen):
-        code, err = regenerate_cli(target, url, tmp_path, capsys)
+    with scripted_server(serving(chat_target_dir, chat=chat)) as (url, seen):
+        code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
         assert_one_line(code, err, "HTTP 401 on /v1/chat/completions: invalid api key",
                         "the key is read from OPENAI_API_KEY or VLLM_API_KEY")
         assert seen[0][3]["authorization"] == "Bearer EMPTY"  # a placeholder servers without a key ignore
         for name in ("VLLM_API_KEY", "OPENAI_API_KEY"):  # vLLM's own variable, then the client's, which wins
             monkeypatch.setenv(name, "sk-local" if name == "OPENAI_API_KEY" else "sk-vllm")
-            code, err = regenerate_cli(target, url, tmp_path, capsys)
+            code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
             assert seen[-1][3]["authorization"] == f"Bearer sk-{'local' if name == 'OPENAI_API_KEY' else 'vllm'}"
         assert code == 0, err
 
@@ -277,12 +277,12 @@ def test_the_key_comes_from_the_environment(target, tmp_path, capsys, monkeypatc
 # ---------------------------------------------------------------- answers that drip, answers too long, bad text
 
 @pytest.mark.parametrize("part", ["headers", "body"])
-def test_a_server_that_drips_its_answer_meets_a_whole_answer_deadline(target, tmp_path, part):
+def test_a_server_that_drips_its_answer_meets_a_whole_answer_deadline(chat_target_dir, tmp_path, part):
     """A byte every 0.1 s keeps every socket read within its timeout; the whole answer must come
     within the timeout, at start-up and per request (it was per read: a drip was waited on forever)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(target))
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_target_dir))
     sampling = ReplyDecoding(max_new_tokens=4, stop_ids=(0,))
     conversations = [[{"role": "user", "content": "Hi"}]]
     for models, chat, limits, path in (
@@ -290,10 +290,10 @@ def test_a_server_that_drips_its_answer_meets_a_whole_answer_deadline(target, tm
              "/v1/models"),
             (None, lambda body, headers: (200, reply()) if body["max_tokens"] == 1 else Drip(part),
              Limits(timeout=0.5, retries=0), "/v1/chat/completions")):
-        with scripted_server(serving(target, chat=chat, models=models)) as (url, _):
+        with scripted_server(serving(chat_target_dir, chat=chat, models=models)) as (url, _):
             started = time.monotonic()
             with pytest.raises(DraftsmithError) as caught:
-                regenerate_via_servers([url], str(target), tokenizer, conversations, tmp_path / "out.jsonl",
+                regenerate_via_servers([url], str(chat_target_dir), tokenizer, conversations, tmp_path / "out.jsonl",
                                        sampling, limits=limits)
             elapsed = time.monotonic() - started
         assert f"no answer on {path} within 0.5 s (gave up after 1 tries)" in str(caught.value)
@@ -305,7 +305,7 @@ def test_a_server_that_drips_its_answer_meets_a_whole_answer_deadline(target, tm
     (reply(content="x" * 200_000), "an answer of 200000 characters, more than 4 tokens can hold"),
     (reply(usage={"completion_tokens": 4000}), "counts 4000 completion tokens, more than the max_tokens 4 asked for"),
 ])
-def test_an_answer_longer_than_asked_is_refused_before_it_is_tokenized(target, tmp_path, capsys, monkeypatch,
+def test_an_answer_longer_than_asked_is_refused_before_it_is_tokenized(chat_target_dir, tmp_path, capsys, monkeypatch,
                                                                         answer, message):
     """A server that ignores max_tokens (it was tokenized whole: 64 MB to an 8-token request
     ended in a tokenizer panic); the tokenizer is never called on it."""
@@ -314,7 +314,7 @@ def test_an_answer_longer_than_asked_is_refused_before_it_is_tokenized(target, t
     def chat(body, headers):
         return (200, reply()) if body["max_tokens"] == 1 else (200, answer)
 
-    with scripted_server(serving(target, chat=chat)) as (url, _):
+    with scripted_server(serving(chat_target_dir, chat=chat)) as (url, _):
         real_call = PreTrainedTokenizerBase.__call__
 
         def guarded(self, text, *args, **kwargs):
@@ -322,19 +322,19 @@ def test_an_answer_longer_than_asked_is_refused_before_it_is_tokenized(target, t
             return real_call(self, text, *args, **kwargs)
 
         monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", guarded)
-        code, err = regenerate_cli(target, url, tmp_path, capsys)
+        code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
     assert_one_line(code, err, "conversation 0, turn 1", message, "the server does not keep to")
     assert nothing_written(tmp_path)
 
 
-def test_lone_surrogates_in_answers_are_replaced_and_counted(target, tmp_path, capsys):
+def test_lone_surrogates_in_answers_are_replaced_and_counted(chat_target_dir, tmp_path, capsys):
     """JSON may escape half a UTF-16 pair ("\\ud800"), which no tokenizer takes and no UTF-8 file
     can hold (it was a TypeError); it becomes U+FFFD, counted in one line."""
     def chat(body, headers):
         return (200, reply()) if body["max_tokens"] == 1 else (200, reply(content="Four\ud800."))
 
-    with scripted_server(serving(target, chat=chat)) as (url, _):
-        code, err = regenerate_cli(target, url, tmp_path, capsys)
+    with scripted_server(serving(chat_target_dir, chat=chat)) as (url, _):
+        code, err = regenerate_cli(chat_target_dir, url, tmp_path, capsys)
     assert code == 0, err
     assert err == ["draftsmith: regenerate: replaced 3 lone UTF-16 surrogate(s) in the servers' answers with U+FFFD"]
     rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()]

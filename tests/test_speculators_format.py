@@ -12,66 +12,30 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from draftsmith.eval.proposers import proposer_from_arg
 from draftsmith.models.dspark import ANCHOR_IS_CONTEXT
 from draftsmith.models.eagle3 import DraftKV
 from draftsmith.models.export import export_notes, export_run
 from draftsmith.models.native import save_drafter
-from test_exports import (  # noqa: F401 (fixtures)
+from reference_impls import reference_model, speculators
+from tiny_models import (
     MASK,
     VOCAB,
     WINDOWED,
     assert_same_drafts,
     dflash,
+    drafts,
     dspark,
     eagle3,
     mtp_run,
     one_line_error,
-    target,
-    target_dir,
 )
-
-INSTALL = "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 (make test does)"
-
-
-def speculators():
-    try:
-        import speculators as module
-    except ImportError as error:
-        pytest.fail(f"speculators does not import ({error}): {INSTALL}")
-    return module
 
 
 def exported(drafter, target_dir, tmp_path, name="d"):
     native = save_drafter(drafter, tmp_path / f"{name}-native", extra={"target": str(target_dir)})
     return native, export_run(native, "speculators", tmp_path / f"{name}-spec")
-
-
-def reference_model(out):
-    """Our folder through speculators' own loading path (eager attention: no compile on CPU)."""
-    lib = speculators()
-    config = lib.SpeculatorModelConfig.from_pretrained(str(out))
-    config.transformer_layer_config._attn_implementation = "eager"
-    model = lib.SpeculatorModel.from_pretrained(str(out), config=config).eval()
-    stored, own = set(load_file(str(out / "model.safetensors"))), set(model.state_dict())
-    optional = set(model._keys_to_ignore_on_load_missing) | set(model._keys_to_ignore_on_save)
-    assert not stored - own, sorted(stored - own)  # nothing unexpected
-    assert not own - stored - optional, sorted(own - stored - optional)  # nothing missing the verifier cannot fill
-    # What the folder leaves to the verifier (the embedding) is filled from it as speculators does
-    # (model.py `load_verifier_weights`, which fills a weight it finds NaN): from_pretrained leaves
-    # such a weight uninitialized, whatever memory held before.
-    # (MTPDraftModel loads them in from_pretrained already, and drops verifier_lm_head on the way.)
-    if hasattr(model, "verifier_lm_head"):
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name in own - stored:
-                if name in params:
-                    params[name].fill_(float("nan"))
-        model.load_verifier_weights()
-    assert all(not p.isnan().any() for p in model.parameters())
-    return model
 
 
 # ---------------------------------------------------------------- vLLM's mapping, restated
@@ -361,8 +325,6 @@ def test_mtp_export_runs_in_speculators_as_our_module_one_chained(target, tmp_pa
     assert not torch.allclose(theirs[1], chained["hidden"][1][:, : theirs[1].shape[1]], atol=1e-3)
     # Read back here, the folder drafts as speculators chains it: its first draft is the run's.
     prompt = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(0))
-    from test_exports import drafts
-
     run_first = drafts(proposer_from_arg(f"mtp_nextn:{run}", target), target, prompt, n=1)[0]
     assert torch.equal(drafts(proposer_from_arg(f"mtp:{out}", target), target, prompt, n=1)[0], run_first)
 
