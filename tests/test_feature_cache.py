@@ -41,7 +41,7 @@ def settings(name):
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
+def mtp_target_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("target") / "mtp"
     train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=2, train__seq_len=64,
                       train__eval_every=100, train__save_every=100))
@@ -65,9 +65,9 @@ def metrics(run):
 
 
 @pytest.mark.parametrize("name", posthoc())
-def test_training_from_the_cache_is_training_online(name, target, tmp_path, monkeypatch, capsys):
+def test_training_from_the_cache_is_training_online(name, mtp_target_dir, tmp_path, monkeypatch, capsys):
     online, cache = tmp_path / "online", tmp_path / "cache"
-    assert cache_hidden(name, online, target, cache, "--shard-rows", "8") == 0
+    assert cache_hidden(name, online, mtp_target_dir, cache, "--shard-rows", "8") == 0
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["complete"] and manifest["method"] == name and len(manifest["shards"]) > 1
     # Only what the loss reads: EAGLE-3 its 3 layers and draft-vocabulary logits, DFlash its
@@ -80,13 +80,13 @@ def test_training_from_the_cache_is_training_online(name, target, tmp_path, monk
                                       for v in manifest["tensors"].values())
     on_disk = sum((cache / s["file"]).stat().st_size for s in manifest["shards"])
     assert 0 <= on_disk - size < 1000 * len(manifest["shards"])
-    assert f"= {_human(size)} in {len(manifest['shards'])} shard(s)" in capsys.readouterr().out
+    assert f"= {_human(size)} in {len(manifest['shards'])} shard(s)" in capsys.readouterr().err
 
-    train(recipe(name, online, target))
+    train(recipe(name, online, mtp_target_dir))
     # From the cache the target is never loaded, only its embedding and head tensors are read.
     monkeypatch.setattr(posthoc_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     cached = tmp_path / "cached"
-    train(recipe(name, cached, target, data__feature_cache=str(cache)))
+    train(recipe(name, cached, mtp_target_dir, data__feature_cache=str(cache)))
     logged = metrics(online)
     assert len(logged) == 6 and "val/loss" in logged[-1]
     # Not bit for bit: the online run's target forward covers each batch cut to its longest row
@@ -98,7 +98,7 @@ def test_training_from_the_cache_is_training_online(name, target, tmp_path, monk
         assert got == pytest.approx(want, rel=1e-3, abs=1e-6)
 
 
-def test_an_interrupted_cache_resumes_where_it_stopped(target, tmp_path, monkeypatch):
+def test_an_interrupted_cache_resumes_where_it_stopped(mtp_target_dir, tmp_path, monkeypatch):
     run, cache = tmp_path / "run", tmp_path / "cache"
     calls, real = [], PostHocMethod.features
 
@@ -112,37 +112,37 @@ def test_an_interrupted_cache_resumes_where_it_stopped(target, tmp_path, monkeyp
 
     target_forwards(stop_at=4)  # the size probe, shard 0 in two batches, then the first of shard 1
     flags = ("--shard-rows", "8", "--batch-size", "4")
-    assert cache_hidden("dflash", run, target, cache, *flags) == 130
+    assert cache_hidden("dflash", run, mtp_target_dir, cache, *flags) == 130
     assert not json.loads((cache / "manifest.json").read_text())["complete"]
     assert [p.name for p in cache.iterdir() if p.name.startswith(("shard", ".shard"))] == ["shard-00000.safetensors"]
     with pytest.raises(DraftsmithError, match="incomplete"):
-        train(recipe("dflash", run, target, data__feature_cache=str(cache)))
+        train(recipe("dflash", run, mtp_target_dir, data__feature_cache=str(cache)))
 
     kept = (cache / "shard-00000.safetensors").stat().st_mtime_ns
     calls.clear()
     target_forwards()
-    assert cache_hidden("dflash", run, target, cache, *flags) == 0
+    assert cache_hidden("dflash", run, mtp_target_dir, cache, *flags) == 0
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["complete"] and (cache / "shard-00000.safetensors").stat().st_mtime_ns == kept
     assert sum(calls) == 1 + manifest["num_rows"] - 8  # the probe row, then only the missing rows
-    assert cache_hidden("dflash", run, target, tmp_path / "whole", *flags) == 0
+    assert cache_hidden("dflash", run, mtp_target_dir, tmp_path / "whole", *flags) == 0
     for shard in manifest["shards"]:
         assert (cache / shard["file"]).read_bytes() == (tmp_path / "whole" / shard["file"]).read_bytes()
 
 
-def test_a_cache_made_for_something_else_is_refused_in_one_line(target, tmp_path, capsys):
+def test_a_cache_made_for_something_else_is_refused_in_one_line(mtp_target_dir, tmp_path, capsys):
     eagle3, dflash = tmp_path / "eagle3", tmp_path / "dflash"
-    assert cache_hidden("eagle3", tmp_path / "run", target, eagle3) == 0
-    assert cache_hidden("dflash", tmp_path / "run", target, dflash) == 0
+    assert cache_hidden("eagle3", tmp_path / "run", mtp_target_dir, eagle3) == 0
+    assert cache_hidden("dflash", tmp_path / "run", mtp_target_dir, dflash) == 0
     other = tmp_path / "other_target"  # the same config, one tensor changed (as by more training)
-    shutil.copytree(target, other)
+    shutil.copytree(mtp_target_dir, other)
     weights = load_file(other / "model.safetensors")
     weights["lm_head.weight"] *= 1.01
     save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
 
     def refused(name, cache, pattern, **extra):
         capsys.readouterr()
-        args = overrides(tmp_path / "x", **{"target__path": str(target), **POSTHOC, **METHOD[name],
+        args = overrides(tmp_path / "x", **{"target__path": str(mtp_target_dir), **POSTHOC, **METHOD[name],
                                             "data__feature_cache": str(cache), **extra})
         assert main(["train", str(ROOT / "recipes" / "tiny" / f"{name}.yaml"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -160,19 +160,19 @@ def test_a_cache_made_for_something_else_is_refused_in_one_line(target, tmp_path
     refused("eagle3", eagle3, r"incomplete \(1 of 1 shards missing\): rerun draftsmith data cache-hidden")
     # Resuming into a folder that holds another cache.
     capsys.readouterr()
-    assert cache_hidden("dflash", tmp_path / "run", target, eagle3) == 2
+    assert cache_hidden("dflash", tmp_path / "run", mtp_target_dir, eagle3) == 2
     assert "holds a feature cache of other features or rows (method differs)" in capsys.readouterr().err
 
 
 # EAGLE-3 (its teacher pair) and DSpark (hidden states and full logits) cover every tensor a
 # cache stores; DFlash's packed loss is DSpark's backbone's (tests/test_packing.py).
 @pytest.mark.parametrize("name", ["eagle3", "dspark"])
-def test_packed_training_from_the_cache_is_packed_training_online(name, target, tmp_path, monkeypatch):
+def test_packed_training_from_the_cache_is_packed_training_online(name, mtp_target_dir, tmp_path, monkeypatch):
     """data.packing packs the cache's stored features as it packs the rows online, whose
     target forward then reads each conversation alone (tests/test_packing.py)."""
     online, cache = tmp_path / "online", tmp_path / "cache"
     wide = dict(train__seq_len=200)  # rows of up to ~90 tokens: two or more share a row
-    assert cache_hidden(name, online, target, cache, **wide) == 0
+    assert cache_hidden(name, online, mtp_target_dir, cache, **wide) == 0
     saved = []  # rows per batch saved by packing
 
     def packing(rows):
@@ -181,10 +181,10 @@ def test_packed_training_from_the_cache_is_packed_training_online(name, target, 
         return batch
 
     monkeypatch.setattr(loop, "pack_rows", packing)
-    train(recipe(name, online, target, data__packing=True, **wide))
+    train(recipe(name, online, mtp_target_dir, data__packing=True, **wide))
     assert sum(saved) > 0
     cached = tmp_path / "cached"
-    train(recipe(name, cached, target, data__feature_cache=str(cache), data__packing=True, **wide))
+    train(recipe(name, cached, mtp_target_dir, data__feature_cache=str(cache), data__packing=True, **wide))
     logged = metrics(online)
     assert len(logged) == 6 and "val/loss" in logged[-1]
     for got, want in zip(metrics(cached), logged, strict=True):
