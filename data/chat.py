@@ -16,7 +16,7 @@ earlier Qwen3 turns, the history as the served model reads it in later turns.
 Either way the character spans become token masks through the tokenizer's offsets, so a
 token that straddles a span edge is kept in the loss rather than dropped.
 
-`plain=True` renders a conversation as its contents concatenated, without any template:
+`untemplated=True` renders a conversation as its contents concatenated, without any template:
 for a target pretrained on plain text, such as the embedded default's, whose replies are
 continuations of the prompt text.
 
@@ -106,11 +106,11 @@ def thinking_kwargs(template: str | None, enable_thinking: bool | None) -> dict:
 
 
 def chat_format(tokenizer, chat_template: str | None = "", enable_thinking: bool | None = None,
-                plain: bool = False) -> tuple[str | None, dict]:
+                untemplated: bool = False) -> tuple[str | None, dict]:
     """(template text, template kwargs) from the recipe's `data.chat_template` (a file or a
     built-in's name; empty: the tokenizer's) and `data.enable_thinking`. Plain text: (None, {})."""
     template = load_chat_template(chat_template)
-    if plain:
+    if untemplated:
         return None, thinking_kwargs(None, enable_thinking)
     template = resolve_template(tokenizer, template)
     return template, thinking_kwargs(template, enable_thinking)
@@ -205,10 +205,10 @@ def _mask_from_spans(offsets, spans) -> list[int]:
 
 
 def render_conversation(tokenizer, messages, max_len: int | None = None, chat_template: str | None = None,
-                        plain: bool = False, template_kwargs: dict | None = None) -> dict[str, list[int]]:
+                        untemplated: bool = False, template_kwargs: dict | None = None) -> dict[str, list[int]]:
     """`input_ids` and `loss_mask` (1 on assistant tokens and their end-of-turn token), cut at `max_len`.
     `chat_template` is template text (None: the tokenizer's own)."""
-    template = None if plain else resolve_template(tokenizer, chat_template)
+    template = None if untemplated else resolve_template(tokenizer, chat_template)
     if template is not None and _GENERATION_BLOCK.search(template):
         out = tokenizer.apply_chat_template(messages, chat_template=template, return_dict=True,
                                             return_assistant_tokens_mask=True, **(template_kwargs or {}))
@@ -216,7 +216,7 @@ def render_conversation(tokenizer, messages, max_len: int | None = None, chat_te
     else:
         text, spans = assistant_spans(tokenizer, messages, template, template_kwargs)
         # A template writes its own BOS; plain text gets the tokenizer's (Llama's <s>, none for ours).
-        enc = tokenizer(text, add_special_tokens=plain, return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=untemplated, return_offsets_mapping=True)
         ids, mask = list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)
     if max_len is not None:
         ids, mask = ids[:max_len], mask[:max_len]
@@ -256,7 +256,7 @@ def _rows(rendered: list[dict], max_len: int, pad: int, pack: bool) -> dict[str,
 
 
 def tokenize_conversations(conversations, tokenizer, max_len: int, pack: bool = False,
-                           chat_template: str | None = None, plain: bool = False, num_proc: int | None = None,
+                           chat_template: str | None = None, untemplated: bool = False, num_proc: int | None = None,
                            template_kwargs: dict | None = None):
     """Training rows (`input_ids`, `loss_mask`, `attention_mask`, each `max_len` long).
 
@@ -277,12 +277,12 @@ def tokenize_conversations(conversations, tokenizer, max_len: int, pack: bool = 
         conversations = datasets.Dataset.from_dict({"messages": list(conversations)})
     if "messages" not in conversations.column_names:
         raise DraftsmithError(f"{where}: no messages column (columns: {', '.join(conversations.column_names)})")
-    if not plain:
+    if not untemplated:
         resolve_template(tokenizer, chat_template)  # fail before the map, not inside a worker
     pad = _pad_id(tokenizer)
 
     def to_rows(batch):
-        rendered = [render_conversation(tokenizer, messages, chat_template=chat_template, plain=plain,
+        rendered = [render_conversation(tokenizer, messages, chat_template=chat_template, untemplated=untemplated,
                                         template_kwargs=template_kwargs) for messages in batch["messages"]]
         return _rows(rendered, max_len, pad, pack)
 

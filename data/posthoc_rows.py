@@ -55,7 +55,7 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     # file before any can write it, since the merge waits for every process.
     with PartialState().main_process_first() if settings.servers else contextlib.nullcontext():
         if not out.is_file():
-            run_regeneration(settings, target_dir, tokenizer, conversations, out, plain=embedded,
+            run_regeneration(settings, target_dir, tokenizer, conversations, out, untemplated=embedded,
                              names=(recipe.target.path,), model=target)
     return out, embedded
 
@@ -66,7 +66,7 @@ def chat_settings(recipe: Recipe, tokenizer) -> tuple[str | None, dict]:
     from draftsmith.data.chat import chat_format
 
     data = recipe.data
-    return chat_format(tokenizer, data.chat_template, data.enable_thinking, plain=data.dataset == "embedded")
+    return chat_format(tokenizer, data.chat_template, data.enable_thinking, untemplated=data.dataset == "embedded")
 
 
 def _chat_keys(data) -> dict:
@@ -124,12 +124,12 @@ def training_rows(recipe: Recipe, target, tokenizer):
 
     from draftsmith.data.chat import tokenize_conversations
 
-    source, plain = conversations_file(recipe, target, tokenizer)
+    source, untemplated = conversations_file(recipe, target, tokenizer)
     template, template_kwargs = chat_settings(recipe, tokenizer)
     # The main process tokenizes first, in data.num_proc processes; the others read what
     # `datasets` cached of it (a file-backed source) instead of all tokenizing at once.
     with PartialState().main_process_first():
-        rows = tokenize_conversations(source, tokenizer, recipe.train.seq_len, plain=plain, chat_template=template,
+        rows = tokenize_conversations(source, tokenizer, recipe.train.seq_len, untemplated=untemplated, chat_template=template,
                                       template_kwargs=template_kwargs, num_proc=num_proc(recipe.data.num_proc))
     n_eval = max(1, round(EVAL_FRACTION * len(rows)))
     if len(rows) < 2:

@@ -82,13 +82,13 @@ class ReplyDecoding(SamplingParams):
         return replace(self, stop_ids=tuple(stop_ids), pad_id=pad)
 
 
-def stop_token_ids(generation_config, tokenizer, chat_template: str | None = None, plain: bool = False,
+def stop_token_ids(generation_config, tokenizer, chat_template: str | None = None, untemplated: bool = False,
                    template_kwargs: dict | None = None) -> list[int]:
     """Where a reply ends: the target's and tokenizer's end-of-text ids and the template's end of turn."""
     ids = generation_config.eos_token_id
     ids = set([ids] if isinstance(ids, int) else ids or [])
     ids |= {tokenizer.eos_token_id} - {None}
-    if not plain:
+    if not untemplated:
         ids |= set(end_of_turn_ids(tokenizer, chat_template, template_kwargs))
     return sorted(ids)
 
@@ -410,9 +410,9 @@ class ServerClient:
     is checked by name only.
     """
 
-    def __init__(self, url: str, target: tuple[str, ...], tokenizer, plain: bool, sampling: ReplyDecoding,
+    def __init__(self, url: str, target: tuple[str, ...], tokenizer, untemplated: bool, sampling: ReplyDecoding,
                  limits: Limits, template_kwargs: dict | None = None):
-        self.endpoint, self.plain, self.sampling = Endpoint(url, limits), plain, sampling
+        self.endpoint, self.untemplated, self.sampling = Endpoint(url, limits), untemplated, sampling
         self.template_kwargs = dict(template_kwargs or {})  # enable_thinking, as the recipe decided
         self.tokenizer, self.lock = tokenizer, threading.Lock()
         self.surrogates = 0  # lone surrogates replaced in this server's answers
@@ -436,20 +436,20 @@ class ServerClient:
         self.form = self._probe()
 
     def _body(self, prompt, form: dict, seed: int) -> dict:
-        key = "prompt" if self.plain else "messages"
+        key = "prompt" if self.untemplated else "messages"
         extra = dict(form["extra_body"])
-        if self.template_kwargs and not self.plain:  # vLLM and SGLang hand them to the template (Qwen3's enable_thinking)
+        if self.template_kwargs and not self.untemplated:  # vLLM and SGLang hand them to the template (Qwen3's enable_thinking)
             extra["chat_template_kwargs"] = self.template_kwargs
         return {"model": self.model, key: prompt, **{k: form[k] for k in STANDARD_FIELDS}, "seed": seed,
                 "extra_body": extra}
 
     def _path(self) -> str:
-        return "/completions" if self.plain else "/chat/completions"
+        return "/completions" if self.untemplated else "/chat/completions"
 
     def _probe(self) -> dict:
         """The first request form the server takes; and the tokenizer check: the server must
         count as many prompt tokens for the probe as the target's tokenizer does here."""
-        prompt = PROBE if self.plain else [{"role": "user", "content": PROBE}]
+        prompt = PROBE if self.untemplated else [{"role": "user", "content": PROBE}]
         refused = []
         for name, form in _forms(self.sampling, 1).items():
             try:
@@ -466,7 +466,7 @@ class ServerClient:
         served = _count(reply.get("usage"), "prompt_tokens", f"server {self.endpoint.url}, the probe")
         if served is None:  # nothing to compare: the model id is all that was checked
             return
-        if self.plain:
+        if self.untemplated:
             local = len(self.tokenizer(prompt)["input_ids"])
         else:
             text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
@@ -481,7 +481,7 @@ class ServerClient:
         where = f"server {self.endpoint.url}, {request}"
         try:
             choice = reply["choices"][0]
-            text = choice["text"] if self.plain else choice["message"]["content"]
+            text = choice["text"] if self.untemplated else choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise DraftsmithError(f"{where}: an answer without choices: {_short(reply)[:200]}") from None
         if text is not None and not isinstance(text, str):
@@ -516,7 +516,7 @@ class ServerClient:
 
     def complete(self, history: list[dict], seed: int, request: str = "a request") -> tuple[str, int]:
         """The reply to `history` and its token count; `request` names it in errors."""
-        prompt = "".join(m["content"] for m in history) if self.plain else history
+        prompt = "".join(m["content"] for m in history) if self.untemplated else history
         try:
             reply = self.endpoint.call(self._path(), self._body(prompt, self.form, seed))
         except _Refused as exc:  # e.g. a prompt longer than the server's context
@@ -530,7 +530,7 @@ class ServerClient:
         return text, tokens
 
 
-def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool, chat_template: str | None = None,
+def target_stop_ids(target_dir: str | Path, tokenizer, untemplated: bool, chat_template: str | None = None,
                     template_kwargs: dict | None = None) -> list[int]:
     """`stop_token_ids` of the target without loading its weights: its generation config."""
     from transformers import AutoConfig, GenerationConfig
@@ -539,7 +539,7 @@ def target_stop_ids(target_dir: str | Path, tokenizer, plain: bool, chat_templat
         config = GenerationConfig.from_pretrained(str(target_dir))
     except OSError:  # no generation_config.json: the model config's eos
         config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(target_dir)))
-    return stop_token_ids(config, tokenizer, chat_template, plain, template_kwargs)
+    return stop_token_ids(config, tokenizer, chat_template, untemplated, template_kwargs)
 
 
 def _request_seed(seed: int, index: int, turn: int) -> int:
@@ -571,7 +571,7 @@ def _target_identity(target: str | Path):
 
 
 def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], tokenizer, conversations: list[list[dict]],
-                           out_path: str | Path, sampling: ReplyDecoding, plain: bool = False,
+                           out_path: str | Path, sampling: ReplyDecoding, untemplated: bool = False,
                            limits: Limits = Limits(), template_kwargs: dict | None = None) -> Path:
     """Write `conversations` with the target's replies, as `regenerate` does, asking `urls`.
 
@@ -590,10 +590,10 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
         user_turns(messages, index)
     target = (target,) if isinstance(target, (str, Path)) else tuple(target)
     chat = {"template_kwargs": template_kwargs} if template_kwargs else {}
-    clients = [ServerClient(url, target, tokenizer, plain, sampling, limits, **chat) for url in urls]
+    clients = [ServerClient(url, target, tokenizer, untemplated, sampling, limits, **chat) for url in urls]
     # The key leaves the servers out: a rerun may resume through other ones.
     partial = partial_path(out_path, ["server", _target_identity(target[-1]), len(tokenizer), conversations,
-                                      plain, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                                      untemplated, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
                                       sampling.top_k, sampling.seed, list(sampling.stop_ids)]
                            + ([template_kwargs] if template_kwargs else []))  # older runs' keys stay
     with resuming(partial, 1, len(conversations)) as done:
@@ -665,8 +665,8 @@ def _collect(clients: list[ServerClient], conversations: list[list[dict]], parti
         stop.set()  # the threads still asking finish their request and stop; nothing more is written
 
 
-def decoding_for(target_dir: str | Path, tokenizer, how: ReplyDecoding, plain: bool, chat_template: str | None = None,
+def decoding_for(target_dir: str | Path, tokenizer, how: ReplyDecoding, untemplated: bool, chat_template: str | None = None,
                  template_kwargs: dict | None = None) -> ReplyDecoding:
     """`how` for a server, ending where the in-process regeneration ends: the same stop tokens
     (from the same chat template and its switches) and pad, read without loading the weights."""
-    return how.ending(target_stop_ids(target_dir, tokenizer, plain, chat_template, template_kwargs), tokenizer)
+    return how.ending(target_stop_ids(target_dir, tokenizer, untemplated, chat_template, template_kwargs), tokenizer)

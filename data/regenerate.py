@@ -115,14 +115,14 @@ def _rank_file(base: Path, rank: int, world: int) -> Path:
 
 
 def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str | Path, how: ReplyDecoding,
-               batch_size: int = 8, chat_template: str | None = None, plain: bool = False,
+               batch_size: int = 8, chat_template: str | None = None, untemplated: bool = False,
                processes: Processes | None = None, enable_thinking: bool | None = None) -> Path:
     """Write `conversations` to `out_path` (JSON Lines of `{"messages": [...]}`) with target replies.
 
     `how.temperature` 0 decodes greedily; above 0 it samples from the target's distribution at
     that temperature, restricted by `top_k` (0: off) and `top_p` (1: off), seeded per batch
     from `how.seed`, so the same seed gives the same file; replies are at most
-    `how.max_new_tokens` long and end at the target's stop tokens. `plain=True`
+    `how.max_new_tokens` long and end at the target's stop tokens. `untemplated=True`
     prompts with the concatenated contents instead of the chat template (see data/chat.py).
     `chat_template` is template text (None: the tokenizer's); `enable_thinking` reaches
     templates with the switch (unset: off; see `thinking_kwargs`).
@@ -134,9 +134,9 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], out_path: str
         raise DraftsmithError("regenerate: no conversations given")
     if batch_size < 1:
         raise DraftsmithError(f"regenerate: batch_size ({batch_size}) must be positive")
-    template = None if plain else resolve_template(tokenizer, chat_template)
+    template = None if untemplated else resolve_template(tokenizer, chat_template)
     template_kwargs = thinking_kwargs(template, enable_thinking)
-    how = how.ending(stop_token_ids(target.generation_config, tokenizer, chat_template, plain, template_kwargs),
+    how = how.ending(stop_token_ids(target.generation_config, tokenizer, chat_template, untemplated, template_kwargs),
                      tokenizer)
     for index, messages in enumerate(conversations):  # a bad record fails before a partial file exists
         user_turns(messages, index)
@@ -227,11 +227,11 @@ def regenerate_command(target: str, out: str, settings: Regeneration, data: Data
             raise DraftsmithError(f"regenerate: --limit must be at least 1, got {limit}")
         return embedded_conversations(256 if limit is None else limit)
 
-    return run_regeneration(settings, target, tokenizer, conversations, out, plain=embedded, names=(target_name,))
+    return run_regeneration(settings, target, tokenizer, conversations, out, untemplated=embedded, names=(target_name,))
 
 
 def run_regeneration(settings: Regeneration, target_dir: str | Path, tokenizer,
-                     conversations: Callable[[], list[list[dict]]], out: str | Path, plain: bool,
+                     conversations: Callable[[], list[list[dict]]], out: str | Path, untemplated: bool,
                      names: tuple[str, ...] = (), model=None) -> Path:
     """Answer `conversations()` into `out`: the one choice of who answers. With servers, they do
     (the target, which they may list under `names` or its folder, is not loaded here); else
@@ -239,14 +239,14 @@ def run_regeneration(settings: Regeneration, target_dir: str | Path, tokenizer,
     The chat template is read before the conversations, so a bad one fails first."""
     from draftsmith.processes import current_processes
 
-    template, template_kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=plain)
+    template, template_kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, untemplated=untemplated)
     asked = conversations()
     if settings.servers:
         from draftsmith.data.regen_server import Limits, decoding_for, regenerate_via_servers
 
-        how = decoding_for(target_dir, tokenizer, settings.decoding, plain, template, template_kwargs)
+        how = decoding_for(target_dir, tokenizer, settings.decoding, untemplated, template, template_kwargs)
         return regenerate_via_servers(list(settings.servers), tuple(n for n in (*names, str(target_dir)) if n),
-                                      tokenizer, asked, out, how, plain=plain,
+                                      tokenizer, asked, out, how, untemplated=untemplated,
                                       limits=Limits(in_flight=settings.in_flight), template_kwargs=template_kwargs)
     processes = current_processes()
     if model is None:
@@ -256,5 +256,5 @@ def run_regeneration(settings: Regeneration, target_dir: str | Path, tokenizer,
         model = load_target(target_dir, device=processes.device or ("cuda" if torch.cuda.is_available() else None))
         check_fits(tokenizer, model.get_input_embeddings().num_embeddings, target_dir, target_dir)
     return regenerate(model, tokenizer, asked, out, settings.decoding, batch_size=settings.batch_size,
-                      chat_template=template, plain=plain, processes=processes,
+                      chat_template=template, untemplated=untemplated, processes=processes,
                       enable_thinking=template_kwargs.get("enable_thinking"))

@@ -256,15 +256,15 @@ def _source(target, tokenizer, settings: EvalSettings, context: int):
     from draftsmith.eval.prompts import eval_conversations, render_turn
 
     if settings.dataset == "embedded":
-        chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=True)  # refuses a switch
+        chat_format(tokenizer, settings.chat_template, settings.enable_thinking, untemplated=True)  # refuses a switch
         return prompt_ids(tokenizer, settings, context), None
-    plain = not (settings.chat_template or tokenizer.chat_template)
-    template, kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, plain=plain)
+    untemplated = not (settings.chat_template or tokenizer.chat_template)
+    template, kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, untemplated=untemplated)
     turns = eval_conversations(settings.dataset, settings.num_prompts * pool_factor(settings))
     if settings.min_prompt_tokens:  # judged by the first turn's prompt, rendered as it is decoded
         first = lambda conversation: len(render_turn(tokenizer, conversation[0], template, kwargs))  # noqa: E731
         turns = long_enough(turns, settings.num_prompts, settings, f"conversations of {settings.dataset}", first)
-    stops = stop_token_ids(target.generation_config, tokenizer, template, plain, kwargs)
+    stops = stop_token_ids(target.generation_config, tokenizer, template, untemplated, kwargs)
     return Conversations(turns, tokenizer, template, kwargs, context), tuple(stops)
 
 

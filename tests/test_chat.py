@@ -51,7 +51,7 @@ def test_template_without_generation_markers_gives_the_same_mask(tokenizer, plai
 
 def test_plain_text_masks_the_replies(tokenizer):
     messages = [{"role": "user", "content": "import os\n"}, {"role": "assistant", "content": "import sys\n"}]
-    row = render_conversation(tokenizer, messages, plain=True)
+    row = render_conversation(tokenizer, messages, untemplated=True)
     assert tokenizer.decode(row["input_ids"]) == "import os\nimport sys\n"
     assert masked_runs(tokenizer, row) == ["import sys\n"]
 

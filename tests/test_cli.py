@@ -176,8 +176,8 @@ def test_regenerate_takes_the_recipes_sampling_and_flags_win(monkeypatch, tmp_pa
     assert flagged == {**settings, "top_k": 0, "in_flight": 0, "temperature": 0.0}  # a zero flag is still given
     # No recipe: the built-in recipe's values.
     data = DataSection()
-    plain = regenerate_settings(monkeypatch, "--target", str(tmp_path / "target"))
-    assert (plain["temperature"], plain["top_p"], plain["top_k"], plain["max_new_tokens"], plain["seed"]) == (
+    built_in = regenerate_settings(monkeypatch, "--target", str(tmp_path / "target"))
+    assert (built_in["temperature"], built_in["top_p"], built_in["top_k"], built_in["max_new_tokens"], built_in["seed"]) == (
         data.regen_temperature, data.regen_top_p, data.regen_top_k, data.regen_max_new_tokens, Recipe().train.seed)
 
 

@@ -70,9 +70,9 @@ def write_jsonl(path, conversations):
     return path
 
 
-def greedy_in_process(target, tokenizer, conversations, out, plain=False):
+def greedy_in_process(target, tokenizer, conversations, out, untemplated=False):
     return read(regenerate(target, tokenizer, conversations, out, ReplyDecoding(max_new_tokens=NEW_TOKENS),
-                           batch_size=4, plain=plain))
+                           batch_size=4, untemplated=untemplated))
 
 
 def fast_limits(**extra) -> Limits:
@@ -97,7 +97,7 @@ def test_the_server_path_writes_the_in_process_greedy_rows(server, corpus_target
                  "--out", str(tmp_path / "plain.jsonl"), "--temperature", "0",
                  "--max-new-tokens", str(NEW_TOKENS)]) == 0
     assert read(tmp_path / "plain.jsonl") == greedy_in_process(corpus_target, tokenizer, embedded_conversations(3),
-                                                               tmp_path / "plain-local.jsonl", plain=True)
+                                                               tmp_path / "plain-local.jsonl", untemplated=True)
 
 
 @pytest.mark.slow  # starts a second server (about 30 s on two cores)
@@ -151,8 +151,8 @@ def test_post_hoc_training_data_comes_from_the_recipes_server(server, corpus_tar
     recipe = load_recipe(None, [f"target.path={corpus_target_dir}", f"data.dataset={data}",
                                 f'data.regen_servers=["{server.url}"]', "data.regen_temperature=0",
                                 f"data.regen_max_new_tokens={NEW_TOKENS}"])
-    source, plain = conversations_file(recipe, None, tokenizer)  # the target is not needed: the server answers
-    assert not plain
+    source, untemplated = conversations_file(recipe, None, tokenizer)  # the target is not needed: the server answers
+    assert not untemplated
     assert read(source) == greedy_in_process(corpus_target, tokenizer, CONVERSATIONS[:3], tmp_path / "local.jsonl")
 
 
@@ -189,7 +189,7 @@ def test_a_target_retrained_in_its_folder_does_not_resume_the_old_answers(corpus
     class Stand:
         surrogates = 0  # ServerClient's count of lone surrogates replaced in its answers
 
-        def __init__(self, url, target, tokenizer, plain, sampling, limits):
+        def __init__(self, url, target, tokenizer, untemplated, sampling, limits):
             self.sampling = sampling
 
         def complete(self, history, seed, request=""):

@@ -77,8 +77,8 @@ def test_the_target_sees_each_packed_conversation_alone(attention):
                                       num_heads=4, num_kv_heads=2))
     target.config._attn_implementation = attention
     rows = conversation_rows()
-    plain, packed = trim_padding(rows), pack_rows(rows)
-    alone = target_forward(target, plain["input_ids"], attention_mask=plain["attention_mask"], capture=[0, 2])
+    unpacked, packed = trim_padding(rows), pack_rows(rows)
+    alone = target_forward(target, unpacked["input_ids"], attention_mask=unpacked["attention_mask"], capture=[0, 2])
     together = target_forward(target, packed["input_ids"], position_ids=packed["position_ids"], capture=[0, 2])
     for i, (b, offset) in enumerate(placement(rows)):
         n = LENGTHS[i]
@@ -101,25 +101,25 @@ def test_anchors_are_drawn_per_conversation_and_never_cross_one():
         per_doc = torch.bincount(docs[b, taken], minlength=count)
         assert per_doc.equal(torch.bincount(docs[b, :-1][valid], minlength=count).clamp(max=3))  # each its 3
     # One conversation per row: the same draw as without document ids.
-    plain = trim_padding(conversation_rows())
-    alone = lambda docs: sample_anchors(plain["loss_mask"], 5, torch.Generator().manual_seed(3), docs)  # noqa: E731
-    assert alone(None).equal(alone(torch.zeros_like(plain["loss_mask"])))
+    unpacked = trim_padding(conversation_rows())
+    alone = lambda docs: sample_anchors(unpacked["loss_mask"], 5, torch.Generator().manual_seed(3), docs)  # noqa: E731
+    assert alone(None).equal(alone(torch.zeros_like(unpacked["loss_mask"])))
 
 
 def dflash_family_losses(drafter, target, backend="sdpa"):
     """(loss and metrics unpacked, loss and metrics packed) of one batch of conversations, the
     packed one on the packed target's features, at the same anchors."""
     rows = conversation_rows()
-    plain, packed = trim_padding(rows), pack_rows(rows)
+    unpacked, packed = trim_padding(rows), pack_rows(rows)
     layers = drafter.config.target_layer_ids
-    anchors = sample_anchors(plain["loss_mask"], 6, torch.Generator().manual_seed(1))
+    anchors = sample_anchors(unpacked["loss_mask"], 6, torch.Generator().manual_seed(1))
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        alone = target_forward(target, plain["input_ids"], attention_mask=plain["attention_mask"], capture=layers)
+        alone = target_forward(target, unpacked["input_ids"], attention_mask=unpacked["attention_mask"], capture=layers)
         together = target_forward(target, packed["input_ids"], position_ids=packed["position_ids"], capture=layers)
     extra = (lambda out: (out.logits,)) if hasattr(drafter, "refine") else (lambda out: ())
-    unpacked = drafter.loss(concat_layers(alone.hidden, layers), plain["input_ids"],
-                            plain["loss_mask"] * plain["attention_mask"], embed, head, *extra(alone), anchors=anchors)
+    unpacked = drafter.loss(concat_layers(alone.hidden, layers), unpacked["input_ids"],
+                            unpacked["loss_mask"] * unpacked["attention_mask"], embed, head, *extra(alone), anchors=anchors)
     drafter.config.attention_backend = backend
     packed_loss = drafter.loss(concat_layers(together.hidden, layers), packed["input_ids"],
                                packed["loss_mask"] * packed["attention_mask"], embed, head, *extra(together),
@@ -159,14 +159,14 @@ def eagle3_losses(backend="sdpa", loss="ce"):
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=96, ttt_length=3, loss=loss,
                                         attention_backend=backend).train()
     rows = conversation_rows()
-    plain, packed = trim_padding(rows), pack_rows(rows)
+    unpacked, packed = trim_padding(rows), pack_rows(rows)
     layers = drafter.config.target_layer_ids
     with torch.no_grad():
-        alone = target_forward(target, plain["input_ids"], attention_mask=plain["attention_mask"], capture=layers)
+        alone = target_forward(target, unpacked["input_ids"], attention_mask=unpacked["attention_mask"], capture=layers)
         together = target_forward(target, packed["input_ids"], position_ids=packed["position_ids"], capture=layers)
     hidden = lambda out: torch.cat([out.hidden[i] for i in layers], dim=-1)  # noqa: E731
-    unpacked = drafter.loss(hidden(alone), plain["input_ids"], alone.logits, plain["loss_mask"],
-                            plain["attention_mask"])
+    unpacked = drafter.loss(hidden(alone), unpacked["input_ids"], alone.logits, unpacked["loss_mask"],
+                            unpacked["attention_mask"])
     packed_loss = drafter.loss(hidden(together), packed["input_ids"], together.logits, packed["loss_mask"],
                                packed["attention_mask"], position_ids=packed["position_ids"])
     return unpacked, packed_loss, drafter

@@ -35,14 +35,14 @@ def corpus_target(tokenizer):
     return model.eval()
 
 
-def greedy_reply(target, tokenizer, messages, plain=False):
+def greedy_reply(target, tokenizer, messages, untemplated=False):
     """The target's own greedy continuation of one conversation, unbatched and unpadded."""
-    if plain:
+    if untemplated:
         ids = tokenizer("".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
     else:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]
-    stops = stop_token_ids(target.generation_config, tokenizer, plain=plain)
+    stops = stop_token_ids(target.generation_config, tokenizer, untemplated=untemplated)
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                           eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
     end = next((k for k, t in enumerate(out) if t in stops), len(out))
@@ -72,10 +72,10 @@ def test_embedded_prompts_are_continued_as_plain_text(corpus_target, tokenizer, 
     conversations = embedded_conversations(4, max_chars=200)
     assert conversations == embedded_conversations(4, max_chars=200)
     records = read(regenerate(corpus_target, tokenizer, conversations, tmp_path / "plain.jsonl", GREEDY, batch_size=4,
-                              plain=True))
+                              untemplated=True))
     for (prompt,), (user, reply) in zip(conversations, records):
         assert user == prompt and reply["role"] == "assistant"
-        assert reply["content"] == greedy_reply(corpus_target, tokenizer, [prompt], plain=True)
+        assert reply["content"] == greedy_reply(corpus_target, tokenizer, [prompt], untemplated=True)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

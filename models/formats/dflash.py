@@ -224,7 +224,7 @@ def speculator_config(drafter: DFlashDrafter, folder: Path, dtype: str | None, a
              **({"sliding_window": c.sliding_window, "use_sliding_window": True} if c.sliding_window else {})}
     config = {
         **speculators.header(drafter.method, architectures, c.drafts_per_block, target, out_dtype),
-        "transformer_layer_config": speculators.plain(layer),
+        "transformer_layer_config": speculators.nested_config(layer),
         "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
         # Our sliding layers see their whole block (speculators' non-causal sliding windows).

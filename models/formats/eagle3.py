@@ -264,7 +264,7 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     layer = {**c.llama_config().to_diff_dict(), "model_type": "llama", **window_keys(c.sliding_window)}
     config = {
         **speculators.header(METHOD, ["Eagle3Speculator"], speculators.chain_drafts(target), target, out_dtype),
-        "transformer_layer_config": speculators.plain(layer),
+        "transformer_layer_config": speculators.nested_config(layer),
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
         "target_hidden_size": None if c.target_hidden_size == c.hidden_size else c.target_hidden_size,

@@ -409,7 +409,7 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     out_dtype = DTYPES[dtype] if dtype else config_dtype(target_config) or next(heads.parameters()).dtype
     config = {
         **speculators.header(METHOD, ["MTPDraftModel"], speculators.chain_drafts(folder), folder, out_dtype),
-        "transformer_layer_config": speculators.plain(target_config),
+        "transformer_layer_config": speculators.nested_config(target_config),
         "num_nextn_predict_layers": 1,
         "draftsmith": {"modules_trained": heads.num_depths, "modules_written": 1,
                        "chain_input": getattr(heads.config, "chain_input", "hidden")},

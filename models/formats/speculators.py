@@ -117,7 +117,7 @@ def target_dir(folder: Path) -> Path:
     return target_dir
 
 
-def plain(layer: dict) -> dict:
+def nested_config(layer: dict) -> dict:
     """A transformers config dict as the library nests it (no architectures of its own)."""
     return {k: v for k, v in layer.items() if k not in ("architectures", "transformers_version")}
 
