@@ -410,7 +410,7 @@ class ServerClient:
     is checked by name only.
     """
 
-    def __init__(self, url: str, target: tuple[str, ...], tokenizer, untemplated: bool, sampling: ReplyDecoding,
+    def __init__(self, url: str, served_names: tuple[str, ...], tokenizer, untemplated: bool, sampling: ReplyDecoding,
                  limits: Limits, template_kwargs: dict | None = None):
         self.endpoint, self.untemplated, self.sampling = Endpoint(url, limits), untemplated, sampling
         self.template_kwargs = dict(template_kwargs or {})  # enable_thinking, as the recipe decided
@@ -426,12 +426,12 @@ class ServerClient:
             raise DraftsmithError(f"server {self.endpoint.url}: /v1/models answered {_short(listed)[:100]}, "
                                   f"not an OpenAI model list")
         ids = [str(m.get("id")) for m in models if isinstance(m, dict)]
-        names, bases = target_names(*target)
+        names, bases = target_names(*served_names)
         exact = [i for i in ids if i.rstrip("/") in names]
         same_base = [i for i in ids if Path(i.rstrip("/")).name in bases]
         if not exact and len(same_base) != 1:
             raise DraftsmithError(f"server {self.endpoint.url} serves {', '.join(ids) or 'no model'}, "
-                                  f"not the target {target[0]}")
+                                  f"not the target {served_names[0]}")
         self.model = (exact or same_base)[0]
         self.form = self._probe()
 
@@ -558,24 +558,24 @@ def answer_conversation(client: ServerClient, messages: list[dict], index: int) 
     return history, tokens
 
 
-def _target_identity(target: str | Path):
+def _target_identity(target_path: str | Path):
     """What says a rerun asks the same target: its weights' fingerprint when its folder is
     here (a target retrained in place starts afresh), else its name. Never a download: the
     servers hold the weights, which may be far larger than this machine's disk."""
-    folder = Path(target)
+    folder = Path(target_path)
     if folder.is_dir() and any(folder.glob("*.safetensors")):
         from draftsmith.data.feature_cache import target_fingerprint
 
         return target_fingerprint(folder)
-    return str(target)
+    return str(target_path)
 
 
-def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], tokenizer, conversations: list[list[dict]],
+def regenerate_via_servers(urls: list[str], served_names: str | tuple[str, ...], tokenizer, conversations: list[list[dict]],
                            out_path: str | Path, sampling: ReplyDecoding, untemplated: bool = False,
                            limits: Limits = Limits(), template_kwargs: dict | None = None) -> Path:
     """Write `conversations` with the target's replies, as `regenerate` does, asking `urls`.
 
-    `target`: the names a server may list it under, the last one its folder or hub name.
+    `served_names`: the names a server may list the target under, the last one its folder or hub name.
     """
     out_path = Path(out_path)
     if not urls:
@@ -588,11 +588,11 @@ def regenerate_via_servers(urls: list[str], target: str | tuple[str, ...], token
         raise DraftsmithError(f"regenerate: in_flight ({limits.in_flight}) must be positive")
     for index, messages in enumerate(conversations):  # a bad record fails before any request
         user_turns(messages, index)
-    target = (target,) if isinstance(target, (str, Path)) else tuple(target)
+    served_names = (served_names,) if isinstance(served_names, (str, Path)) else tuple(served_names)
     chat = {"template_kwargs": template_kwargs} if template_kwargs else {}
-    clients = [ServerClient(url, target, tokenizer, untemplated, sampling, limits, **chat) for url in urls]
+    clients = [ServerClient(url, served_names, tokenizer, untemplated, sampling, limits, **chat) for url in urls]
     # The key leaves the servers out: a rerun may resume through other ones.
-    partial = partial_path(out_path, ["server", _target_identity(target[-1]), len(tokenizer), conversations,
+    partial = partial_path(out_path, ["server", _target_identity(served_names[-1]), len(tokenizer), conversations,
                                       untemplated, sampling.max_new_tokens, sampling.temperature, sampling.top_p,
                                       sampling.top_k, sampling.seed, list(sampling.stop_ids)]
                            + ([template_kwargs] if template_kwargs else []))  # older runs' keys stay
