@@ -394,18 +394,18 @@ RESUME_CHANGES = ("refuse", "allow")
 def validate(recipe: Recipe) -> None:
     """Values a type check lets through but a run cannot use, refused before anything starts
     (a zero `*_every` would otherwise fail only after the first step, as a ZeroDivisionError)."""
-    t, target = recipe.train, recipe.target
+    t, target_section = recipe.train, recipe.target
     at_least = {
         "train.max_steps": (t.max_steps, 0), "train.num_epochs": (t.num_epochs, 0),
         "data.num_proc": (recipe.data.num_proc, 1), "train.batch_size": (t.batch_size, 1), "train.grad_accum": (t.grad_accum, 1),
         "train.seq_len": (t.seq_len, 2), "train.eval_every": (t.eval_every, 1), "train.save_every": (t.save_every, 1),
         "train.log_every": (t.log_every, 1), "train.eval_batches": (t.eval_batches, 0),
         "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.lr": (t.lr, 0), "train.clip": (t.clip, 0),
-        "train.weight_decay": (t.weight_decay, 0), "target.num_layers": (target.num_layers, 1),
-        "target.hidden_size": (target.hidden_size, 1), "target.num_heads": (target.num_heads, 1),
-        "target.num_kv_heads": (target.num_kv_heads, 1), "target.intermediate_size": (target.intermediate_size, 0),
-        "target.max_position_embeddings": (target.max_position_embeddings, 1),
-        "target.rope_theta": (target.rope_theta, 0), "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
+        "train.weight_decay": (t.weight_decay, 0), "target.num_layers": (target_section.num_layers, 1),
+        "target.hidden_size": (target_section.hidden_size, 1), "target.num_heads": (target_section.num_heads, 1),
+        "target.num_kv_heads": (target_section.num_kv_heads, 1), "target.intermediate_size": (target_section.intermediate_size, 0),
+        "target.max_position_embeddings": (target_section.max_position_embeddings, 1),
+        "target.rope_theta": (target_section.rope_theta, 0), "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
     }
     # A method's counts (num_depths, num_layers, num_heads, ...): None means derived, else at least 1.
     at_least |= {f"method.{k}": (v, 1) for k, v in recipe.method.params.items()
@@ -413,9 +413,9 @@ def validate(recipe: Recipe) -> None:
     for key, (value, low) in at_least.items():
         if value < low:
             raise DraftsmithError(f"{key}: must be at least {low}, got {value}")
-    if not target.path:  # the tiny target is built from these fields: its transformers config needs them whole
-        divides(vars(target), "hidden_size", "num_heads", "the tiny target's heads split its width", prefix="target")
-        divides(vars(target), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
+    if not target_section.path:  # the tiny target is built from these fields: its transformers config needs them whole
+        divides(vars(target_section), "hidden_size", "num_heads", "the tiny target's heads split its width", prefix="target")
+        divides(vars(target_section), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
                 prefix="target")
     # The method's own shape rules, where its config declares them (models/<method>.py: check_params).
     check = getattr(recipe.method.spec.load("config"), "check_params", None) if recipe.method.name else None
@@ -444,11 +444,11 @@ def validate(recipe: Recipe) -> None:
                               "run's length: set one (train.max_steps=0 to train by epochs)")
     if not t.max_steps and not t.num_epochs:
         raise DraftsmithError("train.max_steps and train.num_epochs are both 0: set one of them to the run's length")
-    if target.path and target.max_position_embeddings != TargetSection.max_position_embeddings:
+    if target_section.path and target_section.max_position_embeddings != TargetSection.max_position_embeddings:
         # It sizes only the tiny target built from these fields; a loaded target keeps its
         # config's, so a value here would be silently ignored.
-        raise DraftsmithError(f"target.max_position_embeddings={target.max_position_embeddings} sizes only the tiny "
-                              f"target; target {target.path} has its own (remove the key)")
+        raise DraftsmithError(f"target.max_position_embeddings={target_section.max_position_embeddings} sizes only the tiny "
+                              f"target; target {target_section.path} has its own (remove the key)")
     if recipe.data.streaming and t.num_epochs:
         raise DraftsmithError(f"train.num_epochs={t.num_epochs}: a streamed corpus (data.streaming) has no length "
                               "to count passes in; set train.max_steps")
@@ -457,9 +457,9 @@ def validate(recipe: Recipe) -> None:
                               "conversations; remove the key")
     if recipe.data.streaming and recipe.data.heldout_rows < 0:
         raise DraftsmithError(f"data.heldout_rows: must be at least 0, got {recipe.data.heldout_rows}")
-    if target.path and (target.rope_theta or target.tie_word_embeddings):
+    if target_section.path and (target_section.rope_theta or target_section.tie_word_embeddings):
         raise DraftsmithError(f"target.rope_theta and target.tie_word_embeddings shape only a target built from the "
-                              f"recipe; target {target.path} has its own (remove the keys)")
+                              f"recipe; target {target_section.path} has its own (remove the keys)")
     if isinstance(t.resume, str) and not t.resume:
         raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
     if t.resume_changes not in RESUME_CHANGES:
