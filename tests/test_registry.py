@@ -151,9 +151,9 @@ def test_a_seventh_method_is_its_files_and_one_entry(tmp_path, capsys):
             register(seventh_method.SPEC)
         assert main(["train", str(recipe), *overrides(run, target__path=target, train__max_steps=4)]) == 0
         assert (run / "model" / "config.json").is_file()
-        for drafter in (f"bigram:{run}", "ngram"):  # greedy eval checks every drafter's output is the target's
-            assert main(["eval", "--target", str(target), "--drafter", drafter, "--out", str(tmp_path / drafter[:6]),
-                         "--num-prompts", "2", "--max-new-tokens", "12", "--num-draft", "3"]) == 0
+        # greedy eval checks the drafter's output is the target's, token for token
+        assert main(["eval", "--target", str(target), "--drafter", f"bigram:{run}", "--out", str(tmp_path / "bigram"),
+                     "--num-prompts", "2", "--max-new-tokens", "12", "--num-draft", "3"]) == 0
         row = json.loads((tmp_path / "bigram" / "report.json").read_text())["drafters"][0]
         assert (row["name"], row["num_draft"]) == ("bigram", 3) and row["committed_tokens"] > 0
         capsys.readouterr()
@@ -161,9 +161,7 @@ def test_a_seventh_method_is_its_files_and_one_entry(tmp_path, capsys):
         printed = capsys.readouterr().out
         assert "toy-engine serve --draft" in printed and "a toy layout of" in printed
         back, trained = seventh_method.read(toy), seventh_method.read(run / "model")
-        assert torch.equal(back.table, trained.table)
-        assert main(["eval", "--target", str(target), "--drafter", f"bigram:{toy}", "--out", str(tmp_path / "e2"),
-                     "--num-prompts", "1", "--max-new-tokens", "8", "--num-draft", "3"]) == 0
+        assert torch.equal(back.table, trained.table)  # eval reads the toy layout through the same `read`
     finally:
         unregister("bigram")
     assert "bigram" not in METHODS
