@@ -31,6 +31,7 @@ from __future__ import annotations
 import shlex
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -133,20 +134,30 @@ def read(path: str | Path, target=None) -> DFlashDrafter:
 def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | None = None) -> list[str]:
     """What `draftsmith export` prints after writing `fmt`: one block of B = 1 + D inputs gives
     B - 1 drafts; SGLang's DFLASH verifies B tokens, vLLM's `dflash` drafts B - 1."""
-    from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line, window_flag
+    from draftsmith.models.serve import window_flag
 
     target_dir = target_dir_of(folder)
     if fmt == "speculators":
         return speculators.serve(written, target_dir)
+    return block_serve_lines(written, target_dir, METHOD, "DFLASH", lambda block: (block, block - 1), window_flag)
+
+
+def block_serve_lines(written: Path, target_dir: Path | None, method: str, algorithm: str,
+                      tokens: Callable[[int], tuple[int, int]], flags: Callable[[dict], str]) -> list[str]:
+    """SGLang's and vLLM's lines for a block drafter's folder: `tokens(block)` gives SGLang's
+    --speculative-num-draft-tokens and vLLM's num_speculative_tokens, `flags(config)` SGLang's
+    extra flags; none where the folder records no block or its target is not found."""
+    from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line
+
     config = read_json(written / "config.json")
     block = block_size(config)
     if target_dir is None or block is None:
         return []
     model, dtype, common = engine_args(target_dir)
-    out = str(written)
-    return printed([], [f"{SGLANG} {common} --speculative-algorithm DFLASH --speculative-draft-model-path "
-                        f"{shlex.quote(out)} --speculative-num-draft-tokens {block}" + window_flag(config),
-                        vllm_line(model, dtype, {"method": METHOD, "model": out, "num_speculative_tokens": block - 1})])
+    out, (sglang_tokens, vllm_tokens) = str(written), tokens(block)
+    return printed([], [f"{SGLANG} {common} --speculative-algorithm {algorithm} --speculative-draft-model-path "
+                        f"{shlex.quote(out)} --speculative-num-draft-tokens {sglang_tokens}" + flags(config),
+                        vllm_line(model, dtype, {"method": method, "model": out, "num_speculative_tokens": vllm_tokens})])
 
 
 _REQUIRED = object()

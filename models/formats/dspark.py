@@ -70,6 +70,7 @@ from draftsmith.models.formats.dflash import (
     backbone_config,
     backbone_fields,
     block_dtype,
+    block_serve_lines,
     drafter_weights,
     setting,
     speculator_config,
@@ -239,23 +240,14 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     first, B inputs give B drafts): SGLang's gamma is B and its draft tokens B + 1, with the
     confidence calibration and the cost table the export wrote beside the weights; vLLM's
     `num_speculative_tokens` must equal B. SpecForge's training layout no engine serves."""
-    from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line
-
     target_dir = target_dir_of(folder)
     if fmt == "speculators":
         return speculators.serve(written, target_dir)
     if fmt == "specforge":
         return ["SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
                 "load --format sglang|vllm (Qwen3DSparkModel) instead"]
-    config = read_json(written / "config.json")
-    block = block_size(config)
-    if target_dir is None or block is None:
-        return []
-    model, dtype, common = engine_args(target_dir)
-    out = str(written)
-    return printed([], [f"{SGLANG} {common} --speculative-algorithm DSPARK --speculative-draft-model-path "
-                        f"{shlex.quote(out)} --speculative-num-draft-tokens {block + 1}" + _calibration_flags(written),
-                        vllm_line(model, dtype, {"method": METHOD, "model": out, "num_speculative_tokens": block})])
+    return block_serve_lines(written, target_dir, METHOD, "DSPARK", lambda block: (block + 1, block),
+                             lambda config: _calibration_flags(written))
 
 
 def _calibration_flags(folder: Path) -> str:
