@@ -13,3 +13,25 @@ A method's formats module is the only code that knows its layouts. It offers:
   meta) -> layout | None` (a folder no architecture names) and `EXPECTED` (what a folder it
   reads holds, said when a folder holds none of it).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+
+def read_layouts(path: str | Path, method: str, target, read_speculators: Callable, read_other: Callable):
+    """A `method` drafter from the layout its folder holds: draftsmith's native folder, a
+    speculators folder (`read_speculators(meta, layer, weights, target, source)`), else the
+    method's own `read_other(path, layout, meta, target)`; a folder of another method, or of no
+    layout the method reads, is one line (models/layouts.py)."""
+    from draftsmith.models.formats import speculators
+    from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
+    from draftsmith.models.native import load_drafter
+
+    layout, meta = expect(path, method)
+    if layout == NATIVE:
+        return load_drafter(path, method, target)
+    if layout == SPECULATORS:
+        return speculators.load(path, target, read_speculators)
+    return read_other(path, layout, meta, target)

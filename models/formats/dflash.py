@@ -41,8 +41,7 @@ from draftsmith.fsutil import atomic_dir, read_json, write_json
 from draftsmith.models import zlab_modeling
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
 from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype, target_dir_of
-from draftsmith.models.formats import speculators
-from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
+from draftsmith.models.formats import read_layouts, speculators
 from draftsmith.models.native import load_drafter, load_native_weights
 
 DFLASH_ARCH = "DFlashDraftModel"
@@ -122,13 +121,9 @@ def read(path: str | Path, target=None) -> DFlashDrafter:
     """A DFlash drafter from any layout we write (native, z-lab, SpecForge's, speculators), told
     apart by config.json. A folder of another method, a layout we do not know or a missing
     weight is refused in one line."""
-    layout, meta = expect(path, METHOD)
-    if layout == NATIVE:
-        return load_drafter(path, METHOD)
-    if layout == SPECULATORS:
-        return speculators.load(path, target, _read_speculators)
-    weights = load_native_weights(path)
-    return DFlashDrafter.from_native(DFlashConfig(**backbone_fields(meta, path)), weights, source=str(path))
+    return read_layouts(path, METHOD, target, _read_speculators, lambda path, layout, meta, target: (
+        DFlashDrafter.from_native(DFlashConfig(**backbone_fields(meta, path)), load_native_weights(path),
+                                  source=str(path))))
 
 
 def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | None = None) -> list[str]:

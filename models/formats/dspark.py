@@ -65,7 +65,7 @@ from draftsmith.models.dspark import (
     DSparkDrafter,
 )
 from draftsmith.models.dtypes import target_dir_of
-from draftsmith.models.formats import speculators
+from draftsmith.models.formats import read_layouts, speculators
 from draftsmith.models.formats.dflash import (
     backbone_config,
     backbone_fields,
@@ -77,7 +77,6 @@ from draftsmith.models.formats.dflash import (
     speculator_fields,
     write_folder,
 )
-from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
 from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
 METHOD = DSparkDrafter.method
@@ -224,11 +223,11 @@ def read(path: str | Path, target=None) -> DSparkDrafter:
     """A DSpark drafter from any layout we write (native, SpecForge, DeepSpec, speculators),
     told apart by config.json. A folder of another method, a layout we do not know, a missing
     weight, or (with `target`) stored target weights of the wrong shape are refused in one line."""
-    layout, meta = expect(path, METHOD)
-    if layout == NATIVE:
-        return load_drafter(path, METHOD)
-    if layout == SPECULATORS:
-        return speculators.load(path, target, _read_speculators)
+    return read_layouts(path, METHOD, target, _read_speculators, _read_trainers_layout)
+
+
+def _read_trainers_layout(path, layout: str, meta: dict, target) -> DSparkDrafter:
+    """SpecForge's or DeepSpec's folder (DeepSpec's stores the target's embedding and head)."""
     weights = load_native_weights(path)
     if layout == "deepspec":
         _drop_target_copies(weights, target, path)

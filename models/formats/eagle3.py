@@ -55,9 +55,8 @@ from draftsmith.models.eagle3 import (
     Eagle3Drafter,
     default_layer_ids,
 )
-from draftsmith.models.formats import speculators
-from draftsmith.models.layouts import NATIVE, SPECULATORS, expect
-from draftsmith.models.native import config_from_dict, load_drafter, load_native_weights, read_native_meta
+from draftsmith.models.formats import read_layouts, speculators
+from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
 from draftsmith.models.target import find_model_dir, target_shape
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -172,10 +171,8 @@ def _layer_ids(cfg: dict, num_target_layers: int, source: str) -> list[int]:
 def read(path: str | Path, target: nn.Module) -> Eagle3Drafter:
     """An EAGLE-3 drafter from a native folder, an SGLang/vLLM/SpecForge one or a speculators
     one (ours or trained elsewhere), told apart by config.json; anything else is one line."""
-    layout, _ = expect(path, METHOD)
-    if layout == SPECULATORS:
-        return speculators.load(path, target, _read_speculators)
-    return load_drafter(path, METHOD, target) if layout == NATIVE else load_eagle3_export(path, target)
+    return read_layouts(path, METHOD, target, _read_speculators,
+                        lambda path, layout, meta, target: load_eagle3_export(path, target))
 
 
 def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | None = None) -> list[str]:
