@@ -1,8 +1,8 @@
 """One registration per method: every table the parts need is derived from `METHODS`.
 
 A method is its files (the trained module in `models/<name>.py`, its training in
-`train/<name>.py`, its decode-time proposer in `eval/proposers/<name>.py`) plus one
-`MethodSpec` below. The recipe schema, the training loop, the eval command, the export
+`train/<name>.py`, its decode-time proposer in `eval/proposers/<name>.py`, its layouts in
+`models/formats/<name>.py`) plus one `MethodSpec` below (docs/design.md, "Adding a method"). The recipe schema, the training loop, the eval command, the export
 command and the CLI's choices all read this table, so adding a method means adding its
 files and one entry here.
 
@@ -143,7 +143,8 @@ METHODS: dict[str, MethodSpec] = method_table(
         "eagle3", "EAGLE-3: one decoder layer over three fused target layers, trained with TTT",
         proposer="draftsmith.eval.proposers.eagle3:load_proposer",
         config="draftsmith.models.eagle3:Eagle3Config", model="draftsmith.models.eagle3:Eagle3Drafter",
-        formats="draftsmith.models.formats.eagle3", training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
+        formats="draftsmith.models.formats.eagle3",
+        training="draftsmith.train.eagle3:Eagle3Training", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
         exports={"sglang": "draftsmith.models.formats.eagle3:write_sglang",
                  "vllm": "draftsmith.models.formats.eagle3:write_vllm",
@@ -158,7 +159,8 @@ METHODS: dict[str, MethodSpec] = method_table(
         "dflash", "DFlash: a block-diffusion drafter filling a block of masks in one forward",
         proposer="draftsmith.eval.proposers.dflash:load_proposer",
         config="draftsmith.models.dflash:DFlashConfig", model="draftsmith.models.dflash:DFlashDrafter",
-        formats="draftsmith.models.formats.dflash", training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
+        formats="draftsmith.models.formats.dflash",
+        training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
         exports={"zlab": "draftsmith.models.formats.dflash:write_zlab",
                  "speculators": "draftsmith.models.formats.dflash:write_speculators", "native": _NATIVE_EXPORT},
@@ -169,7 +171,8 @@ METHODS: dict[str, MethodSpec] = method_table(
         "dspark", "DSpark: DFlash's backbone plus a light serial refiner and a confidence head",
         proposer="draftsmith.eval.proposers.dspark:load_proposer",
         config="draftsmith.models.dspark:DSparkConfig", model="draftsmith.models.dspark:DSparkDrafter",
-        formats="draftsmith.models.formats.dspark", training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
+        formats="draftsmith.models.formats.dspark",
+        training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
         # One Qwen3DSparkModel folder serves DeepSpec, SGLang and vLLM; SpecForge's trainer reads its own.
         exports={"sglang": "draftsmith.models.formats.dspark:write_qwen3_dspark",
