@@ -28,7 +28,7 @@ def cache_dir() -> Path:
 
 def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, bool]:
     """The training conversations, answered by the target when asked (always for the
-    embedded default, whose prompts have no answers). Returns (source, plain_text)."""
+    embedded default, whose prompts have no answers). Returns (source, untemplated)."""
     from accelerate import PartialState
 
     from draftsmith.data.conversations import STDLIB_INSTRUCTIONS

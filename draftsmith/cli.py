@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the verify latency table, capped by the tile rule on GPUs")))
     own.add(p, drafters=dict(required=True, metavar="SPEC", help="NAME: " + ", ".join(
         name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items())),
-        cache=dict(choices=["dynamic", "static"]), latency_table=dict(metavar="DIR|FILE"))
+        cache_kind=dict(choices=["dynamic", "static"]), latency_table=dict(metavar="DIR|FILE"))
     tile.add(p)
     for _, option in decode_options():  # each method's own per-run options (registry.py)
         p.add_argument(option.flag, type=option.type, default=None, metavar=option.metavar or None, help=option.help)

@@ -99,6 +99,9 @@ class Flags:
         """Add the flags; `custom[field]`: argparse arguments that differ from the derived ones
         (a parse function, a metavar, choices, required), its `help` added to the field's."""
         hints = typing.get_type_hints(self.cls)
+        unknown = set(custom) - {f.name for f in self.fields()}
+        if unknown:  # a renamed field would otherwise drop its custom arguments silently
+            raise TypeError(f"Flags.add: no field(s) {', '.join(sorted(unknown))} in {self.cls.__name__}")
         for f in self.fields():
             kwargs = _argparse_kind(hints[f.name])
             extra = dict(custom.get(f.name, {}))

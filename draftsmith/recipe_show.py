@@ -47,7 +47,7 @@ def show_recipe(recipe: Recipe) -> str:
             method = recipe.method
             name_field = next(f for f in dataclasses.fields(method) if f.name == "name")
             lines.append(_line("name", method.name, name_field))
-            for f in dataclasses.fields(method.spec.load("config")):
+            for f in dataclasses.fields(method.spec.load("config")) if method.name else ():
                 lines.append(_line(f.name, method.params.get(f.name, _default(f)), f))
             continue
         values = getattr(recipe, section.name)

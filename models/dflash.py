@@ -351,11 +351,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose keys/values also cover the context; names as in Qwen3Attention."""
 
-    def __init__(self, qc):
+    def __init__(self, qc, block_size: int = 0):
         super().__init__()
         hd, heads, kv = qc.head_dim, qc.num_attention_heads, qc.num_key_value_heads
         self.head_dim, self.groups, self.scaling = hd, heads // kv, hd**-0.5
-        self.block_size = 0  # set by DFlashDrafter: dense masks then go to own_block_attend
+        self.block_size = block_size  # a dense mask over several blocks goes to own_block_attend
         self.q_proj = nn.Linear(qc.hidden_size, heads * hd, bias=False)
         self.k_proj = nn.Linear(qc.hidden_size, kv * hd, bias=False)
         self.v_proj = nn.Linear(qc.hidden_size, kv * hd, bias=False)
@@ -384,7 +384,7 @@ class DFlashAttention(nn.Module):
         k, v = torch.cat([context_k, k], dim=2), torch.cat([context_v, v], dim=2)
         if is_block_mask(visible):
             out = flex_attend(q, k, v, visible, self.scaling)
-        elif visible is not None and self.block_size:
+        elif visible is not None and self.block_size and q.shape[2] > self.block_size:  # several blocks
             out = own_block_attend(q, repeat_kv(k, self.groups), repeat_kv(v, self.groups), visible, self.block_size,
                                    self.scaling)
         else:
@@ -417,9 +417,9 @@ def own_block_attend(q, k, v, visible, block_size: int, scale: float) -> torch.T
 class DFlashLayer(nn.Module):
     """A Qwen3 decoder layer (pre-norm residual) around DFlashAttention."""
 
-    def __init__(self, qc):
+    def __init__(self, qc, block_size: int = 0):
         super().__init__()
-        self.self_attn = DFlashAttention(qc)
+        self.self_attn = DFlashAttention(qc, block_size)
         self.mlp = Qwen3MLP(qc)
         self.input_layernorm = Qwen3RMSNorm(qc.hidden_size, eps=qc.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(qc.hidden_size, eps=qc.rms_norm_eps)
@@ -440,9 +440,8 @@ class DFlashDrafter(nn.Module):
         self.config = config.derive()
         qc = config.qwen3_config()
         n = len(config.target_layer_ids)
-        self.layers = nn.ModuleList(DFlashLayer(qc) for _ in range(config.num_layers))
-        for layer in self.layers:  # a dense mask's block part is block-diagonal: own_block_attend
-            layer.self_attn.block_size = config.block_size
+        # A dense mask's block part is block-diagonal: each layer's own_block_attend uses it.
+        self.layers = nn.ModuleList(DFlashLayer(qc, config.block_size) for _ in range(config.num_layers))
         self.fc = nn.Linear(n * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)

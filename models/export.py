@@ -23,7 +23,7 @@ from draftsmith.fsutil import atomic_dir
 from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.layouts import NATIVE, identify
 from draftsmith.models.target import find_model_dir
-from draftsmith.registry import MethodSpec, import_ref, method_spec
+from draftsmith.registry import METHODS, MethodSpec, import_ref
 
 
 def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None,
@@ -31,7 +31,10 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
     """Write the drafter of a training run (or a native drafter folder) in format `fmt`,
     its weights in `dtype` (default: the target's); a writer that writes a cost table from
     `plan --measure`'s latency table (SGLang's DSpark) takes `latency_table`."""
-    folder, spec = _drafter_folder(run, fmt)
+    folder, spec = _drafter_folder(run)
+    check = spec.face("check_export", None)  # e.g. a target no engine runs this method for: before any format
+    if check is not None:
+        check(folder, fmt)
     if fmt not in spec.exports:
         raise DraftsmithError(f"{run} holds a {spec.name} drafter: --format must be one of {', '.join(spec.exports)}"
                               if spec.exports else f"{run}: no export for method {spec.name!r}")
@@ -46,13 +49,13 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
 def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: str | Path | None = None) -> list[str]:
     """What `draftsmith export` prints after writing: a note where the layout keeps less than
     the run trained, then the exact commands that serve the folder (the method's `serve`)."""
-    folder, spec = _drafter_folder(run, fmt)
+    folder, spec = _drafter_folder(run)
     if fmt == "native":
         return []  # draftsmith's own: `eval --drafter METHOD:DIR` reads it
     return spec.face("serve")(folder, Path(written), fmt, latency_table)
 
 
-def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, MethodSpec]:
+def _drafter_folder(run: str | Path) -> tuple[Path, MethodSpec]:
     folder = Path(find_model_dir(run))
     if not folder.is_dir():
         raise DraftsmithError(f"drafter {folder} not found")
@@ -64,11 +67,9 @@ def _drafter_folder(run: str | Path, fmt: str = "") -> tuple[Path, MethodSpec]:
         raise DraftsmithError(f"{folder}/config.json is not a draftsmith drafter")
     if layout != NATIVE:
         raise DraftsmithError(f"{run} is already in the {layout} layout; export reads draftsmith's own runs")
-    spec = method_spec(method)
-    check = spec.face("check_export", None)  # e.g. a target no engine runs this method for: before any format
-    if check is not None:
-        check(folder, fmt)
-    return folder, spec
+    if method not in METHODS:
+        raise DraftsmithError(f"{run}: no export for method {method!r}")
+    return folder, METHODS[method]
 
 
 def export_native(folder: Path, out_dir: str | Path, dtype: str | None = None) -> Path:

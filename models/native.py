@@ -99,9 +99,9 @@ def save_drafter(drafter: torch.nn.Module, out_dir: str | Path, extra: dict[str,
 def load_drafter(path: str | Path, method: str, target: torch.nn.Module | None = None):
     """A native drafter of `method` (a folder of another method is refused, naming it),
     rebuilt for `target` where the module shares the target's weights."""
-    from draftsmith.registry import import_ref, method_spec
+    from draftsmith.registry import method_spec
 
     meta = read_native_meta(path, expect_method=method)
     spec = method_spec(method, "model")
-    config = config_from_dict(import_ref(spec.config, method), meta["config"], source=f"{path}/config.json")
-    return import_ref(spec.model, method).from_native(config, load_native_weights(path), target, source=str(path))
+    config = config_from_dict(spec.load("config"), meta["config"], source=f"{path}/config.json")
+    return spec.load("model").from_native(config, load_native_weights(path), target, source=str(path))

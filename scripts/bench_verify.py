@@ -311,9 +311,10 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     """Every drafter against plain decoding of the same target and prompts, in one run,
     through eval/evaluate.py's decode loop and eval/report.py's report."""
     from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.evaluate import EvalSettings, _per_pass_ms, _tokens_per_s, decode_prompts, merge_stats
+    from draftsmith.eval.evaluate import _per_pass_ms, _tokens_per_s, decode_prompts, merge_stats
     from draftsmith.eval.proposers.base import GREEDY, NoProposer
     from draftsmith.eval.report import speedup_bound, write_report
+    from draftsmith.eval.settings import EvalSettings
     from draftsmith.models.tile import plan_tile
 
     config = target.config

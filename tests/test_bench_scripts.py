@@ -112,7 +112,7 @@ def test_ablation_rows_are_recipes_one_factor_from_base(monkeypatch, kind):
     resolved = lambda overrides: bench.resolve(  # noqa: E731
         bench.load_recipe(bench.RECIPES[kind], ["target.path=runs/t", *overrides]), DEMO_TARGET)
     base = dataclasses.asdict(resolved(()))
-    base_type = type(resolved(())).__name__
+    base_type = {"dflash": "DFlashConfig", "eagle3": "Eagle3Config"}[kind]
     for name, overrides in rows.items():
         config = resolved(overrides)
         changed = {k for k, v in dataclasses.asdict(config).items() if v != base.get(k, v)}

@@ -21,10 +21,11 @@ from decoding_helpers import TreeAroundOracle
 from draftsmith.cli import build_parser, main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
-from draftsmith.eval.evaluate import EvalSettings, _run
+from draftsmith.eval.evaluate import _run
 from draftsmith.eval.proposers.base import GREEDY, Draft
 from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.eval.proposers.oracle import OracleProposer
+from draftsmith.eval.settings import EvalSettings
 from draftsmith.models.target import build_tiny_target, is_static_cache, new_cache, target_forward
 from test_decoder import ARCHS, NEW, PROMPTS, VOCAB  # the decoder tests' tiny targets and prompts
 

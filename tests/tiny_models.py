@@ -47,8 +47,7 @@ def with_random_heads(drafter):
 
 
 def dflash(target, num_context_layers=2, **overrides):
-    return DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=MASK, num_layers=2, block_size=6,
-                                                  num_context_layers=num_context_layers, **overrides)).eval()
+    return drafter_for(target, num_context_layers=num_context_layers, **overrides)
 
 
 # A sliding layer then a full one; block rows at 7..12 over a context 0..6 see from 2..7 on.
@@ -56,9 +55,7 @@ WINDOWED = dict(sliding_window=6, layer_types=["sliding_attention", "full_attent
 
 
 def dspark(target, **overrides):
-    config = DSparkConfig.from_target(target.config, **{"mask_token_id": MASK, "num_layers": 2, "num_context_layers": 2,
-                                                       "block_size": 5, "markov_rank": 8, **overrides})
-    return with_random_heads(DSparkDrafter(config))
+    return with_random_heads(dspark_for(target, **overrides))
 
 
 def eagle3(target, **overrides):

@@ -38,7 +38,7 @@ class DSparkTraining(DFlashTraining):
         folder = super().save(model, out_dir)
         if self.feature_cache is None:
             path = write_sts(model.drafter, self.target, self.tokens_of(self.eval_data), folder,
-                             dataset=f"{out_dir} held-out rows")
+                             dataset=f"{self.recipe.train.output_dir} held-out rows")
             log.info("confidence calibration: %s", path)
         else:
             log.info("no confidence calibration: data.feature_cache runs hold no full target to verify with")

@@ -41,7 +41,7 @@ from draftsmith.recipe import Recipe, dump_recipe, validate
 from draftsmith.train.best import BestWeights
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_name, saved_checkpoints
 from draftsmith.train.launch_checks import check_launch, process_group_kwargs, set_fsdp_wrap_classes
-from draftsmith.train.method import build_method, resolved_recipe
+from draftsmith.train.method import build_method
 from draftsmith.train.run_folder import claim_run_folder, resume_changes, start_run
 from draftsmith.train.schedule import check_schedule, make_scheduler, total_steps
 from draftsmith.train.tracking import check_tracking, start_trackers
@@ -174,7 +174,7 @@ def remove_unfinished_checkpoints(out_dir: Path) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def evaluate(method, model, loader, max_batches: int, step: int, accelerator, total_steps: int = 0) -> dict[str, float]:
+def evaluate(method, model, loader, max_batches: int, step: int, accelerator, run_steps: int = 0) -> dict[str, float]:
     model.eval()
     sums: dict[str, float] = {}
     count = 0
@@ -182,7 +182,7 @@ def evaluate(method, model, loader, max_batches: int, step: int, accelerator, to
         # zip stops before fetching a batch past max_batches: fetching one more would end the
         # loader's pass and make gather_for_metrics cut its input to the last batch's remainder.
         for index, batch in zip(range(max_batches), loader):
-            loss, metrics = method.loss(model, batch, step, micro=index, total_steps=total_steps)
+            loss, metrics = method.loss(model, batch, step, micro=index, total_steps=run_steps)
             for k, v in {"loss": loss.item(), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + v
             count += 1
@@ -506,11 +506,12 @@ class Training:
         accelerator, out_dir = self.accelerator, self.out_dir
         self.history = out_dir / "metrics.jsonl"
         if accelerator.is_main_process:
-            recorded = resolved_recipe(self.recipe, self.method.resolved())  # what the run decided, recorded
+            recorded = self.method.recipe  # with what the method decided for keys left unset
+            text = dump_recipe(recorded)
             start_run(out_dir, run, self.recipe.train.overwrite, resumed_at)
             with atomic_file(out_dir / "recipe.yaml") as f:
-                f.write(dump_recipe(recorded))
-            start_trackers(accelerator, recorded.tracking, out_dir, _flat(recorded), dump_recipe(recorded), resumed_at)
+                f.write(text)
+            start_trackers(accelerator, recorded.tracking, out_dir, _flat(recorded), text, resumed_at)
             _truncate_history(self.history, self.step)  # drop what an interrupted run logged past its checkpoint
         self.best = BestWeights(out_dir, resumed_at, accelerator.is_main_process)
         self.weights = StepWeights(self.method, accelerator, self.model)

@@ -9,7 +9,6 @@ given to the optimizer and never wrapped for training.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ class TrainMethod:
     packs: bool = False  # its loss reads a packed batch's position_ids (data.packing, data/packing.py)
 
     def __init__(self, recipe: Recipe, device: torch.device):
-        self.recipe = recipe
+        self.recipe = recipe  # a method may replace it with a copy holding what it decided (recipe.yaml records it)
         self.device = device
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
@@ -39,11 +38,6 @@ class TrainMethod:
         """The fresh module this method trains, from the recipe's method keys and the target (or
         its tokenizer): one call to its model class's `from_target`, never a registry lookup."""
         raise NotImplementedError
-
-    def resolved(self) -> dict[str, Any]:
-        """Recipe keys left unset that this method decided, as {"section.key": value}: the run's
-        recipe.yaml records them (train/loop.py); the recipe itself is never written to."""
-        return {}
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], step: int, micro: int = 0,
              total_steps: int = 0) -> tuple[torch.Tensor, dict[str, float]]:
@@ -59,17 +53,6 @@ class TrainMethod:
     def save(self, model: nn.Module, out_dir: Path) -> Path:
         """Write the final artifact (atomically) and return its folder."""
         raise NotImplementedError
-
-
-def resolved_recipe(recipe: Recipe, settings: dict) -> Recipe:
-    """A copy of `recipe` with `settings` ({"section.key": value}, what a method decided for
-    keys the recipe left unset) filled in; `recipe` itself is left as it was."""
-    sections: dict[str, dict] = {}
-    for dotted, value in settings.items():
-        section, key = dotted.split(".", 1)
-        sections.setdefault(section, {})[key] = value
-    return dataclasses.replace(recipe, **{name: dataclasses.replace(getattr(recipe, name), **values)
-                                          for name, values in sections.items()})
 
 
 def build_method(recipe: Recipe, device: torch.device) -> TrainMethod:

@@ -30,7 +30,7 @@ from draftsmith.models.native import save_drafter
 from draftsmith.models.target import TargetOutput, find_model_dir, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
-from draftsmith.train.method import TrainMethod, build_method, resolved_recipe
+from draftsmith.train.method import TrainMethod, build_method
 
 
 class LossForward(nn.Module):
@@ -68,11 +68,13 @@ class PostHocMethod(TrainMethod):
                    recipe.target.path)
         # A bad template or thinking switch is one line before any data is written. The thinking
         # mode decided (unset: off where the template has the switch) keys the rows' caches as
-        # if the recipe had set it, and the run's recipe.yaml records it (`resolved`).
+        # if the recipe had set it, and the run's recipe.yaml records it (self.recipe, a copy:
+        # the caller's recipe is left as it was).
         _, template_kwargs = chat_settings(recipe, self.tokenizer)
-        self.decided = ({"data.enable_thinking": template_kwargs["enable_thinking"]}
-                        if "enable_thinking" in template_kwargs else {})
-        self.recipe = recipe = resolved_recipe(recipe, self.decided)
+        if "enable_thinking" in template_kwargs:
+            recipe = dataclasses.replace(recipe, data=dataclasses.replace(
+                recipe.data, enable_thinking=template_kwargs["enable_thinking"]))
+        self.recipe = recipe
         self.load_rows(device)
         drafter = self.build_drafter()
         self.layer_ids = list(drafter.config.target_layer_ids)
@@ -96,9 +98,6 @@ class PostHocMethod(TrainMethod):
             self.target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
                                       attn_implementation=recipe.target.attn_implementation)
             self.train_data, self.eval_data, self.rows_source = training_rows(recipe, self.target, self.tokenizer)
-
-    def resolved(self) -> dict:
-        return dict(self.decided)
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
         """The training rows' token columns [N, T] without features (for a draft vocabulary)."""

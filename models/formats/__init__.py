@@ -33,5 +33,28 @@ def read_layouts(path: str | Path, method: str, target, read_speculators: Callab
     if layout == NATIVE:
         return load_drafter(path, method, target)
     if layout == SPECULATORS:
-        return speculators.load(path, target, read_speculators)
+        return speculators.load(path, meta, target, read_speculators)
     return read_other(path, layout, meta, target)
+
+
+def write_folder(out_dir: str | Path, config: dict, state: dict, dtype, extras: dict | None = None,
+                 copies: dict | None = None) -> Path:
+    """A layout's folder, atomically: `state` cast to `dtype` as model.safetensors (each tensor
+    its own copy, so a tied embedding and head are two), config.json, the JSON `extras` beside
+    them and `copies` (file name -> source file)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from draftsmith.fsutil import atomic_dir, write_json
+    from draftsmith.models.dtypes import cast_floats
+
+    tensors = cast_floats(state, dtype)
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        for name, data in (extras or {}).items():
+            write_json(tmp / name, data)
+        for name, source in (copies or {}).items():
+            shutil.copyfile(source, tmp / name)
+    return Path(out_dir)

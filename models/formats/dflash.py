@@ -29,19 +29,17 @@ Settings no loader reads (decode threshold, block convention) go under a `drafts
 from __future__ import annotations
 
 import shlex
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
+from draftsmith.fsutil import read_json
 from draftsmith.models import zlab_modeling
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
-from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype, target_dir_of
-from draftsmith.models.formats import read_layouts, speculators
+from draftsmith.models.dtypes import DTYPES, export_dtype, target_dir_of
+from draftsmith.models.formats import read_layouts, speculators, write_folder
 from draftsmith.models.native import load_drafter, load_native_weights
 
 DFLASH_ARCH = "DFlashDraftModel"
@@ -68,7 +66,7 @@ def export_dflash_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch
         raise DraftsmithError(f"export_dflash_zlab: this is a {drafter.method} drafter (its own settings and heads "
                               "would be lost); export it with its own formats")
     config = backbone_config(drafter, DFLASH_ARCH, dtype)
-    return write_folder(out_dir, config, drafter.state_dict(), modeling=True)
+    return write_block_layout(out_dir, config, drafter.state_dict(), modeling=True)
 
 
 def backbone_config(drafter: DFlashDrafter, arch: str, dtype: torch.dtype | None = None) -> dict:
@@ -97,22 +95,15 @@ def _window_keys(c: DFlashConfig) -> dict:
     return {"swa_window_size": c.sliding_window, "causal": False} if c.sliding_window else {}
 
 
-def write_folder(out_dir, config: dict, state: dict, modeling: bool = False, extras: dict | None = None) -> Path:
-    """`modeling`: our modeling file goes beside the weights, and `auto_map` points
-    AutoModel at the config's architecture in it; `extras`: JSON files written beside them."""
-
-    out_dir = Path(out_dir)
+def write_block_layout(out_dir, config: dict, state: dict, modeling: bool = False, extras: dict | None = None) -> Path:
+    """A block drafter's folder in the dtype its config names. `modeling`: our modeling file
+    goes beside the weights, and `auto_map` points AutoModel at the config's architecture in
+    it; `extras`: JSON files written beside them."""
+    copies = {}
     if modeling:
         config = {**config, "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{config['architectures'][0]}"}}
-    tensors = cast_floats(state, DTYPES[config["dtype"]])  # each its own copy: a tied embedding and head too
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-        for name, data in (extras or {}).items():
-            write_json(tmp / name, data)
-        if modeling:
-            shutil.copyfile(zlab_modeling.__file__, tmp / MODELING_FILE)
-    return out_dir
+        copies[MODELING_FILE] = zlab_modeling.__file__
+    return write_folder(out_dir, config, state, DTYPES[config["dtype"]], extras, copies)
 
 
 # ---------------------------------------------------------------- reading
@@ -213,7 +204,7 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     """A native DFlash folder as speculators' `DFlashSpeculator` (anchor as context)."""
     drafter = load_drafter(folder, METHOD)
     config, out_dtype = speculator_config(drafter, Path(folder), dtype, ["DFlashSpeculator"], anchor_first=False)
-    return speculators.write(out_dir, config, drafter.state_dict(), out_dtype)
+    return write_folder(out_dir, config, drafter.state_dict(), out_dtype)
 
 
 def speculator_config(drafter: DFlashDrafter, folder: Path, dtype: str | None, architectures: list[str],
@@ -277,7 +268,7 @@ def speculator_fields(meta: dict, layer: dict, target, source: str) -> dict:
     )
 
 
-def drafter_weights(weights: dict) -> dict:
+def without_verifier(weights: dict) -> dict:
     """A speculators checkpoint's tensors less the verifier's."""
     return {k: v for k, v in weights.items() if k not in VERIFIER_OWNED}
 
@@ -287,5 +278,5 @@ def _read_speculators(meta, layer, weights, target, source):
     if meta["sample_from_anchor"]:
         raise DraftsmithError(f"{source}: a DFlash speculator with sample_from_anchor true (anchor as the first "
                               "prediction) is DeepSpec's convention, which draftsmith's DFlash does not draft")
-    return DFlashDrafter.from_native(DFlashConfig(**fields), drafter_weights(weights),
+    return DFlashDrafter.from_native(DFlashConfig(**fields), without_verifier(weights),
                                      source=source.removesuffix("/config.json"))

@@ -65,17 +65,17 @@ from draftsmith.models.dspark import (
     DSparkDrafter,
 )
 from draftsmith.models.dtypes import target_dir_of
-from draftsmith.models.formats import read_layouts, speculators
+from draftsmith.models.formats import read_layouts, speculators, write_folder
 from draftsmith.models.formats.dflash import (
     backbone_config,
     backbone_fields,
     block_dtype,
     block_serve_lines,
-    drafter_weights,
     setting,
     speculator_config,
     speculator_fields,
-    write_folder,
+    without_verifier,
+    write_block_layout,
 )
 from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
@@ -128,7 +128,7 @@ def export_dspark_specforge(drafter: DSparkDrafter, out_dir: str | Path, dtype: 
         attention_mode="mha" if c.num_kv_heads == c.num_heads else "gqa",
     )
     config["draftsmith"] = _our_settings(c)
-    return write_folder(out_dir, config, drafter.state_dict(), modeling=True)
+    return write_block_layout(out_dir, config, drafter.state_dict(), modeling=True)
 
 
 def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
@@ -151,7 +151,7 @@ def export_dspark_deepspec(drafter: DSparkDrafter, out_dir: str | Path, target,
         markov_rank=c.markov_rank, markov_head_type="vanilla",
         enable_confidence_head=True, confidence_head_with_markov=bool(c.markov_rank), draftsmith=_our_settings(c),
     )
-    return write_folder(out_dir, config, {**drafter.state_dict(), **shared}, extras=extras)
+    return write_block_layout(out_dir, config, {**drafter.state_dict(), **shared}, extras=extras)
 
 
 def _check_dspark(drafter, tool: str) -> DSparkConfig:
@@ -175,14 +175,20 @@ def _our_settings(c: DSparkConfig) -> dict:
                                         f"{c.drafts_per_block} drafts; slot k predicts the token at anchor + k + 1"}
 
 
+def _heads_rank(get, source: str) -> int:
+    """The refiner's rank from a layout's head settings (`get(key, default)` reads them), where
+    they are the heads draftsmith builds; markov_rank 0 (DeepSpec's DFlash): no refiner, the
+    confidence head on h alone."""
+    rank = int(get("markov_rank", 0) or 0)
+    if (get("markov_head_type", "vanilla") != "vanilla" or not get("enable_confidence_head", True)
+            or bool(get("confidence_head_with_markov", bool(rank))) != bool(rank)):
+        raise DraftsmithError(f"{source}: only DSpark with a vanilla Markov head and a confidence head on [h; W1[x]] "
+                              "(or, with markov_rank 0, on h) is supported")
+    return rank
+
+
 def _dspark_config(meta: dict, path) -> DSparkConfig:
-    key = lambda name, default=None: setting(meta, name, path, default)  # noqa: E731
-    rank = int(key("markov_rank", 0) or 0)
-    # markov_rank 0 (DeepSpec's DFlash): no refiner, the confidence head on h alone.
-    if (key("markov_head_type", "vanilla") != "vanilla" or not key("enable_confidence_head", True)
-            or bool(key("confidence_head_with_markov", bool(rank))) != bool(rank)):
-        raise DraftsmithError(f"{path}/config.json: only DSpark with a vanilla Markov head and a confidence head on "
-                              "[h; W1[x]] (or, with markov_rank 0, on h) is supported")
+    rank = _heads_rank(lambda name, default=None: setting(meta, name, path, default), f"{path}/config.json")
     ours = meta.get("draftsmith") or meta.get("dspark_config") or {}
     convention = ours.get("block_convention", meta.get("block_convention", ANCHOR_IS_FIRST_PREDICTION))
     if convention not in BLOCK_CONVENTIONS:
@@ -269,22 +275,18 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     config.update(markov_rank=c.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
                   confidence_head_with_markov=bool(c.markov_rank))
     config["draftsmith"].update(block_convention=c.block_convention, confidence_threshold=c.confidence_threshold)
-    return speculators.write(out_dir, config, drafter.state_dict(), out_dtype)
+    return write_folder(out_dir, config, drafter.state_dict(), out_dtype)
 
 
 def _read_speculators(meta, layer, weights, target, source):
     fields = speculator_fields(meta, layer, target, source)
     ours = meta.get("draftsmith") or {}
     anchor_first = bool(meta["sample_from_anchor"])
-    rank = int(meta.get("markov_rank") or 0)
-    if (meta.get("markov_head_type", "vanilla") != "vanilla" or not meta.get("enable_confidence_head", True)
-            or bool(meta.get("confidence_head_with_markov", bool(rank))) != bool(rank)):
-        raise DraftsmithError(f"{source}: only DSpark with a vanilla Markov head and a confidence head on [h; W1[x]] "
-                              "(or, with markov_rank 0, on h) is supported")
+    rank = _heads_rank(meta.get, source)
     convention = ANCHOR_IS_FIRST_PREDICTION if anchor_first else ANCHOR_IS_CONTEXT
     if ours.get("block_convention", convention) != convention:
         raise DraftsmithError(f"{source}: sample_from_anchor {anchor_first} contradicts draftsmith.block_convention "
                               f"{ours['block_convention']!r}")
     config = DSparkConfig(**fields, markov_rank=rank, block_convention=convention,
                           confidence_threshold=ours.get("confidence_threshold", DSparkConfig.confidence_threshold))
-    return DSparkDrafter.from_native(config, drafter_weights(weights), source=source.removesuffix("/config.json"))
+    return DSparkDrafter.from_native(config, without_verifier(weights), source=source.removesuffix("/config.json"))

@@ -1,4 +1,6 @@
-"""EAGLE-3 drafters in the layout SGLang and vLLM load (`LlamaForCausalLMEagle3`).
+"""EAGLE-3 drafters in the layouts engines load: SGLang's and vLLM's `LlamaForCausalLMEagle3`
+(below), speculators' `Eagle3Speculator` (models/formats/speculators.py); read back from
+either and from SpecForge's, and `serve`, what export prints for each.
 
     out_dir/config.json         a Llama config of one layer plus the EAGLE-3 keys below
     out_dir/model.safetensors   fc, midlayer.*, norm, lm_head, d2t, t2d; no embedding
@@ -43,19 +45,18 @@ import shlex
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
-from draftsmith.models.dtypes import DTYPES, cast_floats, export_dtype, target_dir_of
+from draftsmith.fsutil import read_json
+from draftsmith.models.dtypes import DTYPES, export_dtype, target_dir_of
 from draftsmith.models.eagle3 import (
     METHOD,
     Eagle3Config,
     Eagle3Drafter,
     default_layer_ids,
 )
-from draftsmith.models.formats import read_layouts, speculators
+from draftsmith.models.formats import read_layouts, speculators, write_folder
 from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
 from draftsmith.models.target import find_model_dir, target_shape
 
@@ -136,12 +137,8 @@ def export_eagle3(run_or_drafter: Eagle3Drafter | str | Path, out_dir: str | Pat
         out_dtype = DTYPES[dtype] if dtype else trained
     else:
         out_dtype = export_dtype(find_model_dir(run_or_drafter), dtype, trained)
-    tensors = cast_floats({k: v for k, v in state.items() if not k.startswith("embed_tokens.")}, out_dtype)
-    out_dir = Path(out_dir)
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", export_config(config, engine, out_dtype))
-    return out_dir
+    weights = {k: v for k, v in state.items() if not k.startswith("embed_tokens.")}
+    return write_folder(out_dir, export_config(config, engine, out_dtype), weights, out_dtype)
 
 
 def write_sglang(folder: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
@@ -182,19 +179,18 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     from draftsmith.models.serve import SGLANG, chain, engine_args, printed, vllm_line, window_flag
 
     target_dir = target_dir_of(folder)
-    notes = speculators.serve_notes(written) if fmt == "speculators" else []
-    if target_dir is None:
-        return notes
-    config = read_json(written / "config.json")
-    steps = None
-    if latency_table:
+    notes, steps = [], None
+    if latency_table and target_dir is not None:
         from draftsmith.models.latency import chain_steps
         from draftsmith.models.tile import plan_tile, read_target_config
 
         steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target_dir)).D)
         notes.append(f"EAGLE-3 chain: {why}" if steps else f"EAGLE-3 chain: the references' length ({why})")
     if fmt == "speculators":
-        return printed(notes, [speculators.serve_line(str(written), config, target_dir)])
+        return speculators.serve(written, target_dir, tuple(notes))
+    if target_dir is None:
+        return notes
+    config = read_json(written / "config.json")
     model, dtype, common = engine_args(target_dir)
     flags, d = chain(target_dir, steps)
     lines = [f"{SGLANG} {common} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
@@ -273,7 +269,7 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
     if c.draft_vocab_size == c.vocab_size:  # the library registers no maps for a full vocabulary
         weights = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
-    return speculators.write(out_dir, config, weights, out_dtype)
+    return write_folder(out_dir, config, weights, out_dtype)
 
 
 def _read_speculators(meta, layer, weights, target, source):

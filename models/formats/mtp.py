@@ -50,7 +50,6 @@ target's: the folder is the target, so `--dtype` may only restate it.
 from __future__ import annotations
 
 import re
-import shlex
 import shutil
 from pathlib import Path
 
@@ -60,7 +59,7 @@ from safetensors.torch import save_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir, open_safetensors, read_json, write_json
 from draftsmith.models.dtypes import DTYPES, config_dtype, dtype_name
-from draftsmith.models.formats import speculators
+from draftsmith.models.formats import speculators, write_folder
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect, identify
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
@@ -212,12 +211,12 @@ def read(path: str | Path, target) -> MTPDrafter:
     found, layout, config = identify(path)
     # Qwen3-Next ships mtp.* with no config key naming them: its family says where to look.
     shipped = found is None and config.get("model_type") in QWEN3_NEXT_TYPES
-    if not shipped:
+    if found != METHOD and not shipped:
         if found is None:
             mtp_dir(path)  # a model folder without MTP modules: says so in one line
-        layout, config = expect(path, METHOD)
+        expect(path, METHOD)  # says what the folder holds instead, or what was expected
     if layout == SPECULATORS:
-        return speculators.load(path, target, _read_speculators)
+        return speculators.load(path, config, target, _read_speculators)
     # MTP modules are built from their target's own decoder layer and norms: against a target
     # of another family they cannot even be built (GPT-2 has no rms_norm_eps).
     family, theirs = config.get("model_type"), getattr(target.config, "model_type", None)
@@ -248,16 +247,16 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     speculators folder of a Qwen3 target no engine serves (mtp_note says so)."""
     from draftsmith.models.serve import SGLANG, chain, engine_args, printed, vllm_line
 
-    config = read_json(written / "config.json")
     if fmt == "speculators":
         return [mtp_note(written)]
+    config = read_json(written / "config.json")
     trained = (config.get("draftsmith_mtp") or {}).get("modules_trained", 1)
     notes = [note] if fmt == "sglang" and (note := sglang_note(trained)) else []
-    _, dtype, common = engine_args(written)
+    model, dtype, common = engine_args(written)
     flags, d = chain(written, None)
     if not flags:
         return notes
-    lines = [vllm_line(shlex.quote(str(written)), dtype, {"method": METHOD, "num_speculative_tokens": d})]
+    lines = [vllm_line(model, dtype, {"method": METHOD, "num_speculative_tokens": d})]
     if config.get("num_nextn_predict_layers") == 1:  # SGLang's NextN loads one module
         lines.insert(0, f"{SGLANG} {common} --speculative-algorithm EAGLE {flags}")
     return printed(notes, lines)
@@ -418,7 +417,7 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
                   if name.startswith("layers.0.")}  # DeepSeek's names, the block's unnested
     weights = {_MTP_PREFIX + _renamed(name, ((ours, theirs) for theirs, ours in _MTP_NAMES)): t
                for name, t in module_one.items()}
-    return speculators.write(out_dir, config, weights, out_dtype)
+    return write_folder(out_dir, config, weights, out_dtype)
 
 
 def check_mtp_type(target_config: dict, source: str) -> None:

@@ -55,14 +55,12 @@ import shlex
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_dir, read_json, write_json
-from draftsmith.models.dtypes import cast_floats, dtype_name, target_dir_of
+from draftsmith.fsutil import read_json
+from draftsmith.models.dtypes import dtype_name, target_dir_of
 from draftsmith.models.native import load_native_weights, read_native_meta
 
-LAYOUT = "speculators"
 SPECULATORS_VERSION = "0.9.0"  # the library version whose config this layout follows
 
 
@@ -72,10 +70,9 @@ SPECULATORS_VERSION = "0.9.0"  # the library version whose config this layout fo
 def chain_drafts(target_dir: Path) -> int:
     """Drafts per verify a chained drafter (EAGLE-3, MTP) is served with: the references' steps
     (models/serve.py: REFERENCE_CHAIN_STEPS) within the tile rule, as the serve lines give it."""
-    from draftsmith.models.serve import REFERENCE_CHAIN_STEPS
-    from draftsmith.models.tile import plan_tile, read_target_config
+    from draftsmith.models.serve import chain
 
-    return max(1, min(plan_tile(read_target_config(target_dir)).D, REFERENCE_CHAIN_STEPS))
+    return max(1, chain(target_dir, None)[1])
 
 
 def header(kind: str, architectures: list[str], drafts: int, target_dir: Path, dtype: torch.dtype) -> dict:
@@ -122,20 +119,11 @@ def nested_config(layer: dict) -> dict:
     return {k: v for k, v in layer.items() if k not in ("architectures", "transformers_version")}
 
 
-def write(out_dir, config: dict, state: dict, dtype: torch.dtype) -> Path:
-
-    tensors = cast_floats(state, dtype)
-    with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-    return Path(out_dir)
-
-
-def serve_notes(out_dir: str | Path) -> list[str]:
+def serve_notes(config: dict) -> list[str]:
     """Why the printed vLLM line names the target: vLLM 0.33.0 (transformers_utils/config.py
     `maybe_override_with_speculators`) serves `vllm serve DIR` alone only for a verifier
-    named by a hub id, and refuses a local folder."""
-    name = read_json(Path(out_dir) / "config.json")["speculators_config"]["verifier"]["name_or_path"]
+    named by a hub id, and refuses a local folder. `config`: the written folder's config.json."""
+    name = config["speculators_config"]["verifier"]["name_or_path"]
     if is_hub_name(name):
         return []
     return [f"the verifier is a local folder ({name}): vLLM serves `vllm serve DIR` alone only for a hub id, so the "
@@ -144,12 +132,12 @@ def serve_notes(out_dir: str | Path) -> list[str]:
 
 # ---------------------------------------------------------------- reading
 
-def load(path: str | Path, target, read) -> torch.nn.Module:
-    """A drafter from a speculators folder, for `target`: its verifier must be the target's
-    architecture; `read(meta, layer, weights, target, source)` is the method's own reader
-    (models/formats/<method>.py), which refuses in one line every setting it does not implement."""
+def load(path: str | Path, meta: dict, target, read) -> torch.nn.Module:
+    """A drafter from a speculators folder (`meta`: its config.json), for `target`: its verifier
+    must be the target's architecture; `read(meta, layer, weights, target, source)` is the
+    method's own reader (models/formats/<method>.py), which refuses in one line every setting it
+    does not implement."""
     path = Path(path)
-    meta = read_json(path / "config.json")
     source = f"{path}/config.json"
     if target is not None:
         check_verifier(meta, target, source)
@@ -163,28 +151,29 @@ def load(path: str | Path, target, read) -> torch.nn.Module:
         raise DraftsmithError(f"{source}: missing key {missing}") from None
 
 
-def serve(written: Path, target_dir: Path | None) -> list[str]:
+def serve(written: Path, target_dir: Path | None, notes: tuple[str, ...] = ()) -> list[str]:
     """What `draftsmith export` prints after writing a speculators folder: why the line names
-    the target (serve_notes), then the line."""
+    the target (serve_notes) and the method's `notes`, then the line."""
     from draftsmith.models.serve import printed
 
-    notes = serve_notes(written)
+    config = read_json(Path(written) / "config.json")
+    notes = serve_notes(config) + list(notes)
     if target_dir is None:
         return notes
-    return printed(notes, [serve_line(str(written), read_json(Path(written) / "config.json"), target_dir)])
+    return printed(notes, [serve_line(str(written), config, target_dir)])
 
 
 def serve_line(out: str, config: dict, target_dir) -> str:
     """vLLM reads the method and the drafts per verify from the folder (`vllm serve DIR`, the
     verifier named inside), where the verifier is a hub id; a local verifier it refuses in that
-    form (serve_note), so the line then names the target and the folder."""
+    form (serve_notes), so the line then names the target and the folder."""
     from draftsmith.models.serve import engine_args, vllm_line
 
-    _, dtype, _ = engine_args(target_dir)
+    model, dtype, _ = engine_args(target_dir)
     header = config["speculators_config"]
     if is_hub_name(header["verifier"]["name_or_path"]):
         return f"vllm serve {shlex.quote(out)} --dtype {dtype}"
-    return vllm_line(shlex.quote(str(target_dir)), dtype, {"method": config["speculators_model_type"], "model": out,
+    return vllm_line(model, dtype, {"method": config["speculators_model_type"], "model": out,
                                                        "num_speculative_tokens": header["proposal_methods"][0][
                                                            "speculative_tokens"]})
 
