@@ -4,13 +4,18 @@ once and read back by any number of training runs that then never load the targe
 A cache folder holds
 
     manifest.json                what the features are: the target (path and fingerprint),
-                                 the method and its layer ids, the rows' settings, dtype,
-                                 seq_len, the tensors per row, the shard plan, `complete`
+                                 the rows' settings, dtype, seq_len, per method its layer ids
+                                 and the like (`methods`), every stored tensor by its
+                                 METHOD.KEY name (`tensors`), the shard plan, `complete`
     rows.safetensors             copies of the rows: input_ids, loss_mask, attention_mask [N, T]
-    shard-NNNNN.safetensors      the features of one row range, e.g. hidden [n, T, k*H]
+    shard-NNNNN.safetensors      the features of one row range, each named METHOD.KEY,
+                                 e.g. dflash.hidden [n, T, k*H]
 
-Only what the caller's `compute` returns is stored (the method decides what its loss reads),
-floating tensors in bfloat16. A shard is written under a temporary name and renamed, so it
+One cache serves every post-hoc method trained on the same rows: the target runs once per
+batch, capturing the layers all of them read, and each method's share is stored under its
+name (a run reads only its own). Only what the caller's `compute` returns is stored (each
+method decides what its loss reads), floating tensors in bfloat16. A shard is written under
+a temporary name and renamed, so it
 exists under its own name only when whole: an interrupted writer keeps the shards it
 finished and restarts at the first missing one; `complete` is set when none is missing.
 """
@@ -32,7 +37,8 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_file, ensure_writable_dir, open_safetensors, read_json, write_json
 from draftsmith.processes import Processes
 
-FORMAT = "draftsmith-feature-cache/1"
+FORMAT = "draftsmith-feature-cache/2"
+OLD_FORMATS = ("draftsmith-feature-cache/1",)  # one method per cache, tensors named without it
 DTYPE = torch.bfloat16
 ROW_KEYS = ("input_ids", "loss_mask", "attention_mask")
 SHARD_BYTES = 1 << 30  # default shard size: the unit of resumption; writing one holds about twice this
@@ -280,6 +286,9 @@ class FeatureCache:
             raise DraftsmithError(f"feature cache {self.path}: no {MANIFEST} "
                                   "(write one with draftsmith data cache-hidden)")
         self.manifest = m = read_json(self.path / MANIFEST)
+        if m.get("format") in OLD_FORMATS:
+            raise DraftsmithError(f"feature cache {self.path} was written by an older draftsmith ({m['format']}): "
+                                  "rerun draftsmith data cache-hidden into a new folder")
         if m.get("format") != FORMAT:
             raise DraftsmithError(f"feature cache {self.path}: {MANIFEST} is not a {FORMAT} manifest")
         missing = [s["file"] for s in m["shards"] if not (self.path / s["file"]).is_file()]
@@ -301,26 +310,39 @@ class FeatureCache:
             raise DraftsmithError(f"feature cache {self.path} was written for another target ({want['path']}): "
                                   f"the {' and '.join(differs)} of {model_dir} differ")
 
-    def expect(self, fields: dict, section: str | None = None) -> None:
-        """Each key of `fields` must hold the same value in the manifest (or in one section of it)."""
-        node = self.manifest.get(section, {}) if section else self.manifest
+    def expect(self, fields: dict, section: str | tuple = ()) -> None:
+        """Each key of `fields` must hold the same value in the manifest (or in a section of it,
+        a key or a path of keys)."""
+        node = self.manifest
+        for part in (section,) if isinstance(section, str) else section or ():
+            node = node.get(part, {})
         for key, value in fields.items():
             if node.get(key) != value:
                 raise DraftsmithError(f"feature cache {self.path} holds {key}={node.get(key)!r}; "
                                       f"this run needs {key}={value!r}")
 
-    def rows(self, start: int, stop: int) -> "CachedRows":
-        return CachedRows(self, start, stop)
+    def expect_method(self, identity: dict) -> None:
+        """The cache holds features for `identity["method"]`, the same as that identity names."""
+        name, held = identity["method"], self.manifest.get("methods", {})
+        if name not in held:
+            raise DraftsmithError(f"feature cache {self.path} holds features for {', '.join(held) or 'no method'}; "
+                                  f"this run needs {name}'s (cache-hidden --recipe for each method)")
+        self.expect({k: v for k, v in identity.items() if k != "method"}, section=("methods", name))
+
+    def rows(self, start: int, stop: int, method: str = "") -> "CachedRows":
+        """Rows start..stop-1 with `method`'s features under their own names (all with "")."""
+        return CachedRows(self, start, stop, f"{method}." if method else "")
 
 
 class CachedRows(torch.utils.data.Dataset):
-    """Rows start..stop-1 of a cache: each a dict of its tokens and its stored features,
-    read from the shard files on demand (memory-mapped, never loaded whole)."""
+    """Rows start..stop-1 of a cache: each a dict of its tokens and its stored features whose
+    names start with `prefix` (named without it), read from the shard files on demand
+    (memory-mapped, never loaded whole): a run reads its own method's features alone."""
 
-    def __init__(self, feature_cache: FeatureCache, start: int, stop: int):
+    def __init__(self, feature_cache: FeatureCache, start: int, stop: int, prefix: str = ""):
         self.feature_cache, self.start, self.stop = feature_cache, start, stop
         self.tokens = {k: v[start:stop] for k, v in feature_cache.tokens.items()}
-        self.keys = list(feature_cache.manifest["tensors"])
+        self.stored = {k.removeprefix(prefix): k for k in feature_cache.manifest["tensors"] if k.startswith(prefix)}
         self.shards = feature_cache.manifest["shards"]
         self.starts = [s["rows"][0] for s in self.shards]
         self.handles = {}  # shard index -> open file, per process
@@ -340,5 +362,5 @@ class CachedRows(torch.utils.data.Dataset):
             self.handles[s] = open_safetensors(self.feature_cache.path / self.shards[s]["file"])
         j = row - self.starts[s]
         item = {k: v[i] for k, v in self.tokens.items()}
-        item.update({k: self.handles[s].get_slice(k)[j : j + 1][0] for k in self.keys})
+        item.update({k: self.handles[s].get_slice(stored)[j : j + 1][0] for k, stored in self.stored.items()})
         return item

@@ -149,12 +149,17 @@ def _cache_hidden(args) -> None:
     from draftsmith.recipe import load_recipe
     from draftsmith.train.posthoc import cache_hidden
 
+    # --recipe collects a list; a recipe written first without the option arrives as one path.
+    recipes = [args.recipe] if isinstance(args.recipe, str) else args.recipe or [None]
+    if args.method is not None and len(recipes) > 1:
+        raise DraftsmithError("data cache-hidden: --method names the method of one recipe; "
+                              "with several --recipe each names its own")
     # The flags are overrides by another name (JSON-quoted: YAML would misread some paths).
     flags = {"target.path": args.target, "data.dataset": args.dataset, "method.name": args.method}
     overrides = [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
-    recipe = load_recipe(args.recipe, overrides)
+    loaded = [load_recipe(path, overrides) for path in recipes]
     with output_lock(args.out):  # one writer per cache folder
-        out = cache_hidden(recipe, args.out, batch_size=args.batch_size, shard_rows=args.shard_rows)
+        out = cache_hidden(loaded, args.out, batch_size=args.batch_size, shard_rows=args.shard_rows)
     print(f"wrote {out}")
 
 
@@ -198,6 +203,14 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _report(args) -> None:
+    from draftsmith.eval.combine import combine_reports
+
+    with output_lock(args.out):
+        out = combine_reports(args.reports, args.out)
+    print(f"wrote {out / 'report.md'}")
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -225,8 +238,9 @@ EXAMPLES = """commands, one example each:
   train              draftsmith train --recipe recipes/llama31_8b/eagle3.yaml --accelerate-config zero2
   export             draftsmith export runs/llama31_8b/eagle3 --format sglang --out exports/eagle3-sglang
   eval               draftsmith eval --target meta-llama/Llama-3.1-8B-Instruct --drafter eagle3:runs/llama31_8b/eagle3 --dataset mt-bench --out reports/eagle3
+  report             draftsmith report reports/eagle3 reports/mtp --out reports/all
 
-Without a GPU: scripts/demo.sh runs the whole path on a tiny target on CPU."""
+Without a GPU: scripts/demo.sh runs the whole path on CPU against SmolLM2-135M-Instruct (make demo)."""
 RECIPE_HELP = "a YAML recipe, e.g. recipes/tiny/mtp.yaml (default: none, the built-in recipe)"
 
 
@@ -288,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="report folder (written whole or not at all)")
     p.set_defaults(handler=_eval)
 
+    p = sub.add_parser("report", help="several eval reports on one page, per setting (drafters of other targets too)")
+    p.add_argument("reports", nargs="+", metavar="REPORT_DIR",
+                   help="eval output folders; the first one's target, settings and plain decoding head the page")
+    p.add_argument("--out", required=True, help="the combined report's folder (written whole or not at all)")
+    p.set_defaults(handler=_report)
+
     p = sub.add_parser("export", help="write a trained drafter in a serving engine's layout")
     p.add_argument("run_dir", metavar="RUN", help="a training run folder (or its model/ folder)")
     p.add_argument("--format", required=True, choices=export_formats(),
@@ -302,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "references' 3 steps, no cost table)")
     p.set_defaults(handler=_export)
 
+    _data_parsers(sub)
+    return parser
+
+
+def _data_parsers(sub) -> None:
+    """`draftsmith data STEP`: prepare, regenerate, cache-hidden."""
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True,
                                                                           metavar="STEP")
     p = data.add_parser("regenerate", help="answer a dataset's prompts with the target itself (resumable)")
@@ -332,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = data.add_parser("cache-hidden", help="store the target features a post-hoc method trains on, once "
                                               "(resumable); train with data.feature_cache=OUT")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="recipe overrides")
-    p.add_argument("--recipe", default=None, help="the recipe the cache is for (its data, seq_len, seed, method; "
-                                                  "default: the built-in defaults)")
+    p.add_argument("--recipe", action="append", default=None,
+                   help="a recipe the cache is for (its data, seq_len, seed, method; default: the built-in defaults); "
+                        "repeat it for several methods on the same rows: the target runs once for all")
     p.add_argument("--target", default=None,
                    help="target.path: a model folder or a training run folder (default: the recipe's)")
     p.add_argument("--dataset", default=None,
@@ -343,7 +370,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="rows per target forward")
     p.add_argument("--shard-rows", type=int, default=0, help="rows per shard file (default: about 1 GB each)")
     p.set_defaults(handler=_cache_hidden)
-    return parser
 
 
 def _prepare_names() -> list[str]:

@@ -74,7 +74,8 @@ class DataSection:
     dataset_split: str = option("train", "a hub or local dataset folder: the split read")
     columns: dict[str, str] = option({}, "a dataset's columns by shape, e.g. {messages: chosen}; shapes: "
                                          "turns, conversations, messages, prompt")
-    feature_cache: str = option("", 'post-hoc methods: train from `draftsmith data cache-hidden` output, target not loaded')
+    feature_cache: str = option("", "post-hoc methods: train from `draftsmith data cache-hidden` output, "
+                                     "target not loaded (the draft model: its rows, the target's answers)")
     group_by_length: bool = option(False, "post-hoc methods: batch rows of similar length together, so that "
                                           "a batch (cut to its longest row) carries little padding")
     packing: bool = option(False, "post-hoc methods: a batch's conversations end to end in as few rows of "

@@ -221,8 +221,9 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
     for temperature in settings.each_temperature():
         sampling = settings.sampling(temperature)
         results = _run(target, proposers, source, settings, sampling, num_draft, eos, auto_plan)
-        results["target"] = {"path": str(folder), "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile,
-                             "D": plan.D if auto else num_draft}
+        # The name the user gave (a hub or embedded name, a GGUF file) beside the folder it resolved to.
+        results["target"] = {"path": str(folder), "name": str(target_path), "H": plan.H, "KV": plan.KV, "G": plan.G,
+                             "tile": plan.tile, "D": plan.D if auto else num_draft}
         runs.append(results)
     if len(runs) == 1:
         write_report(runs[0], out_dir)

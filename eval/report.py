@@ -105,7 +105,7 @@ def setting_name(settings: dict) -> str:
     return ", ".join(parts)
 
 
-def _text_line(results: dict) -> str:
+def text_line(results: dict) -> str:
     s, d4 = results["settings"], results["baseline"].get("distinct_4gram")
     line = f"{s['num_prompts']} prompts from `{s['dataset']}`, {s['max_new_tokens']} new tokens each."
     if d4 is not None:
@@ -116,6 +116,17 @@ def _text_line(results: dict) -> str:
         line += (f" On {looping} of the {s['num_prompts']} prompts it loops (under {LOOP_RATIO} distinct "
                  "4-grams); \"tau, no loop\" counts the other prompts only.")
     return line
+
+
+def target_name(target: dict) -> str:
+    """The target as the user named it (a folder, a hub or embedded name, a GGUF file)."""
+    return target.get("name") or target["path"]
+
+
+def target_label(target: dict) -> str:
+    """The target's name, and the folder that name resolved to where it differs."""
+    name = target_name(target)
+    return f"`{name}`" + (f" (`{target['path']}`)" if name != target["path"] else "")
 
 
 def speedup_bound(tau: float, t_target: float, t_draft: float, t_verify: float) -> float:
@@ -137,10 +148,10 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / "report.json", results)
         (tmp / "report.md").write_text(_markdown(results), encoding="utf-8")
-        _plot_acceptance(results["drafters"], tmp / "acceptance.png")
-        _plot_tau(results["drafters"], tmp / "tau.png")
-        bounds = [_bound(d, results["baseline"]) for d in results["drafters"]]
-        _plot_speedup(results["drafters"], bounds, tmp / "speedup.png")
+        plot_acceptance(results["drafters"], tmp / "acceptance.png")
+        plot_tau(results["drafters"], tmp / "tau.png")
+        bounds = [bound(d, results["baseline"]) for d in results["drafters"]]
+        plot_speedup(results["drafters"], bounds, tmp / "speedup.png")
         _plot_accepted_lengths(results["drafters"], tmp / "accepted_lengths.png")
         if any("num_draft_auto" in d for d in results["drafters"]):
             _plot_num_draft(results["drafters"], tmp / AUTO_PLOT)
@@ -153,12 +164,12 @@ def write_index(runs: list[tuple[str, dict]], out_dir: str | Path) -> None:
     out_dir = Path(out_dir)
     target = runs[0][1]["target"]
     lines = ["# Speculative decoding report", "",
-             f"Target `{target['path']}`: G = {target['G']} query heads per KV head, tile {target['tile']} rows, "
+             f"Target {target_label(target)}: G = {target['G']} query heads per KV head, tile {target['tile']} rows, "
              f"D = {target['D']} drafts per verify.", "", TAU_NOTE, ""]
     for label, results in runs:
         s = results["settings"]
         lines += [f"## {setting_name(s).capitalize()} ([full report]({label}/report.md))", "",
-                  _text_line(results), "",
+                  text_line(results), "",
                   format_table(results), "", f"![tau]({label}/tau.png) ![acceptance]({label}/acceptance.png)", ""]
     (out_dir / "report.md").write_text("\n".join(lines))
     write_json(out_dir / "report.json", {"runs": {label: f"{label}/report.json" for label, _ in runs}})
@@ -186,7 +197,7 @@ def _drafter_table(results: dict) -> str:
         row = [
             d["name"], *([d.get("weights") or "-"] if weights else []), str(d["num_draft"]), f"{d['tau']:.2f}",
             *([f"{no_loop:.2f}" if no_loop is not None else "-"] if split else []), f"{d['tokens_per_s']:.1f}",
-            f"{d['speedup']:.2f}x", f"{_bound(d, baseline):.2f}x",
+            f"{d['speedup']:.2f}x", f"{bound(d, baseline):.2f}x",
             f"{d['T_draft_ms']:.2f}", f"{d['T_verify_ms']:.2f}",
         ]
         row += [_cell((d.get("extra") or {}).get(key)) for key in extras]
@@ -195,7 +206,8 @@ def _drafter_table(results: dict) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *rows])
 
 
-def _bound(drafter: dict, baseline: dict) -> float:
+def bound(drafter: dict, baseline: dict) -> float:
+    """tau * T_target / (T_draft + T_verify): the speedup the measured times allow."""
     return speedup_bound(
         drafter["tau"], baseline["T_target_ms"], drafter["T_draft_ms"], drafter["T_verify_ms"]
     )
@@ -227,10 +239,10 @@ def _check(results: dict) -> None:
                 f"accepted_length_hist {num_draft + 1} for num_draft {num_draft}"
             )
         # A bound computed elsewhere with another tau convention would silently mislead.
-        bound = _bound(d, results["baseline"])
-        if "bound" in d and not math.isclose(d["bound"], bound, rel_tol=0.01):
+        expected = bound(d, results["baseline"])
+        if "bound" in d and not math.isclose(d["bound"], expected, rel_tol=0.01):
             raise DraftsmithError(
-                f"{where}.bound is {d['bound']}, but tau * T_target / (T_draft + T_verify) = {bound:.4g}"
+                f"{where}.bound is {d['bound']}, but tau * T_target / (T_draft + T_verify) = {expected:.4g}"
             )
     names = [d["name"] for d in results["drafters"]]
     if len(set(names)) != len(names):
@@ -250,7 +262,7 @@ def _markdown(results: dict) -> str:
     lines = [
         "# Speculative decoding report",
         "",
-        f"Target `{target['path']}`: H = {target['H']} query heads, KV = {target['KV']} KV heads, "
+        f"Target {target_label(target)}: H = {target['H']} query heads, KV = {target['KV']} KV heads, "
         f"G = {target['G']} (the group size, query heads per KV head, that the verify kernel packs), "
         f"tile {target['tile']} rows, so D = {target['D']} drafts fit one tile.",
         "",
@@ -260,7 +272,7 @@ def _markdown(results: dict) -> str:
         "|" + "---|" * len(setting_keys),
         "| " + " | ".join(str(settings[k]) for k in setting_keys) + " |",
         "",
-        _text_line(results),
+        text_line(results),
         "",
         "## Drafters",
         "",
@@ -320,7 +332,7 @@ def _name_ticks(ax, drafters: list[dict]) -> None:
     ax.set_xticks(range(len(drafters)), [d["name"] for d in drafters], rotation=20, ha="right")
 
 
-def _plot_acceptance(drafters: list[dict], path: Path) -> None:
+def plot_acceptance(drafters: list[dict], path: Path) -> None:
     fig, ax = _figure(integer_x=True)
     for d in drafters:
         ax.plot(range(1, d["num_draft"] + 1), d["per_position_acceptance"], marker="o", label=d["name"])
@@ -329,7 +341,7 @@ def _plot_acceptance(drafters: list[dict], path: Path) -> None:
     _save(fig, path, PLOTS[path.name])
 
 
-def _plot_tau(drafters: list[dict], path: Path) -> None:
+def plot_tau(drafters: list[dict], path: Path) -> None:
     fig, ax = _figure()
     bars = ax.bar(range(len(drafters)), [d["tau"] for d in drafters])
     ax.bar_label(bars, fmt="%.2f")
@@ -340,7 +352,7 @@ def _plot_tau(drafters: list[dict], path: Path) -> None:
     _save(fig, path, PLOTS[path.name])
 
 
-def _plot_speedup(drafters: list[dict], bounds: list[float], path: Path, width: float = 0.4) -> None:
+def plot_speedup(drafters: list[dict], bounds: list[float], path: Path, width: float = 0.4) -> None:
     fig, ax = _figure()
     x = range(len(drafters))
     measured = ax.bar([i - width / 2 for i in x], [d["speedup"] for d in drafters], width, label="measured")

@@ -1,6 +1,7 @@
-"""The DFlash ablation on the demo target: one factor at a time from the tiny recipe, every
-row trained for the same wall-clock seconds, over seeds (issue 21, item 5); with `--recipe
-eagle3`, EAGLE-3's TTT losses the same way (issue 31, item 1).
+"""The DFlash ablation on the tiny target (recipes/tiny/mtp.yaml, the demo's MTP target): one
+factor at a time from the tiny recipe, every row trained for the same wall-clock seconds,
+over seeds (issue 21, item 5); with `--recipe eagle3`, EAGLE-3's TTT losses the same way
+(issue 31, item 1).
 
 Each row is the tiny recipe (--recipe: dflash, recipes/tiny/dflash.yaml, or eagle3) plus
 its overrides (ROWS[recipe]); a row whose drafter and training resolve to base's is skipped.
@@ -9,7 +10,7 @@ The training loop has no time limit, so the seconds are turned into steps: per r
 start-up, and every seed then trains max(10, round(S / s)) steps, warm-up and schedule as
 the recipe says. Every run shares one derived-data cache, and a 1-step run per seed builds
 that seed's regenerated answers first, outside any timing. Then one `draftsmith eval` per
-seed over every row, as scripts/demo.sh evaluates, and per row tau's median and range over
+seed over every row, as the demo evaluated the tiny target before it moved to SmolLM2, and per row tau's median and range over
 seeds at the headline setting (t0.7), greedy tau on text that does not loop, the speedup
 (scripts/bench_demo.py's summarize), and each draft position's acceptance, median over
 seeds, at both settings. Each training and eval subprocess runs holding the shared CPU
@@ -35,9 +36,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench_demo import load_reports, summarize
+from bench_demo import summarize
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.combine import read_runs
 from draftsmith.fsutil import atomic_file, read_json, write_json
 from draftsmith.models.target import find_model_dir
 from draftsmith.models.tile import read_target_config
@@ -89,7 +91,8 @@ ROWS: dict[str, dict[str, tuple[str, ...]]] = {
 CALIBRATION = (8, 28)
 MIN_STEPS = 10
 HEADLINE, GREEDY = "t0.7", "t0"
-EVAL_FLAGS = ["--num-prompts", "16", "--max-new-tokens", "64", "--prompt-chars", "240",  # scripts/demo.sh's
+# The tiny-target evaluation of the demo before it moved to SmolLM2 (README "The tiny target").
+EVAL_FLAGS = ["--num-prompts", "16", "--max-new-tokens", "64", "--prompt-chars", "240",
               "--temperature", "0", "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -153,6 +156,7 @@ def describe(config) -> str:
 class Bench:
     def __init__(self, kind: str, target: str, out: Path, seconds: float):
         self.kind, self.target, self.out, self.seconds = kind, target, out, seconds
+        self.recipe, self.extra = RECIPES.get(kind), (f"target.path={target}",)  # what every run trains from
         self.env = dict(os.environ, **ENV, DRAFTSMITH_CACHE=str(out / "cache"))  # one regeneration per seed
         self.logs = out / "logs"
 
@@ -177,8 +181,8 @@ class Bench:
 
     def train(self, overrides: tuple[str, ...], run: Path, seed: int, steps: int, log_name: str) -> float:
         resume = ["train.resume=true"] if any((run / "checkpoints").glob("checkpoint_*")) else []
-        return self.locked([sys.executable, "-m", "draftsmith.cli", "train", "--recipe", str(RECIPES[self.kind]),
-                            f"target.path={self.target}", *overrides, f"train.output_dir={run}",
+        return self.locked([sys.executable, "-m", "draftsmith.cli", "train", "--recipe", str(self.recipe),
+                            *self.extra, *overrides, f"train.output_dir={run}",
                             f"train.seed={seed}", f"train.max_steps={steps}", *resume], log_name)
 
     def scratch_train(self, overrides: tuple[str, ...], seed: int, steps: int, log_name: str) -> float:
@@ -254,7 +258,7 @@ def run_steps(run: Path) -> int:
 def check_steps(run: Path, steps: int) -> None:
     trained = run_steps(run)
     if trained != steps:
-        raise DraftsmithError(f"{run} was trained for {trained} steps, --seconds plans {steps}: give the --seconds "
+        raise DraftsmithError(f"{run} was trained for {trained} steps, these seconds plan {steps}: give the seconds "
                               "it was trained with, or remove it (or use another --out) to train it again")
 
 
@@ -268,7 +272,7 @@ def eval_reports(seed_dir: Path) -> list[dict]:
     row (the run folder a `--drafter NAME:RUN` argument points at is named after its row)."""
     found = []
     for folder in eval_folders(seed_dir):
-        reports = load_reports(folder)
+        reports = read_runs(folder)
         for report in reports.values():
             for drafter in report["drafters"]:
                 drafter["name"] = Path(drafter["drafter"].rpartition(":")[2]).name
@@ -400,8 +404,13 @@ def main(argv=None) -> None:
     print(text)
 
 
-if __name__ == "__main__":
+def run_script(main) -> None:
+    """A bench script's entry: a DraftsmithError is one line and exit status 1."""
     try:
         main()
     except DraftsmithError as exc:
         sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.eval.report import setting_label, setting_name
-from draftsmith.fsutil import read_json
+from draftsmith.eval.combine import read_runs
+from draftsmith.eval.report import setting_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,17 +55,9 @@ def _recorded_seconds(runs: Path) -> float:
     return float(path.read_text()) if path.is_file() else 0.0
 
 
-def load_reports(report_dir: Path) -> dict[str, dict]:
-    """Setting label (t0, t0.7, ...) -> that setting's report, from an eval output folder."""
-    index = read_json(report_dir / "report.json")
-    if "runs" not in index:  # a single-setting report
-        return {setting_label(index): index}
-    return {label: read_json(report_dir / rel) for label, rel in index["runs"].items()}
-
-
 def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
     """{setting: {"drafters": {name: {median, min, max, seeds}}, "speedup": {name: ...}, "distinct_4gram": {...}}}
-    from {seed: load_reports(...)}; a drafter missing from any seed's report is an error."""
+    from {seed: read_runs(...)} (eval/combine.py); a drafter missing from any seed's report is an error."""
     settings = sorted({label for reports in per_seed.values() for label in reports})
     summary = {}
     for label in settings:
@@ -146,7 +138,7 @@ def main(argv=None) -> None:
     for seed in args.seeds:
         seconds[seed] = (_recorded_seconds(args.out / f"seed{seed}") if args.summarize_only
                          else run_seed(seed, args.out, args.overrides))
-    per_seed = {seed: load_reports(args.out / f"seed{seed}" / "report") for seed in args.seeds}
+    per_seed = {seed: read_runs(args.out / f"seed{seed}" / "report") for seed in args.seeds}
     summary = summarize(per_seed)
     text = markdown(summary, seconds)
     args.out.mkdir(parents=True, exist_ok=True)

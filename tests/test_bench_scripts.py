@@ -57,6 +57,8 @@ def test_bench_train_prints_its_table(tmp_path):
     assert md_tables((tmp_path / "train.md").read_text()) == [table]
 
 
+# 43 s of the suite's 10-minute budget on 2 cores: `make test-slow` (and the GPU check itself) runs it.
+@pytest.mark.slow
 def test_gpu_check_dry_run_writes_its_report(tmp_path):
     run(["bash", "scripts/gpu_check.sh", "--cpu-dry-run"], OUT=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -182,3 +184,67 @@ def test_ablation_summary_is_median_and_range_over_seeds(monkeypatch, tmp_path):
         bench.seed_reports(tmp_path / "seed3", rows)
     with pytest.raises(DraftsmithError, match="no t0.7 result for row.s. block4"):
         bench.seed_reports(tmp_path / "seed0", [*rows, "block4"])
+
+
+def test_budget_summary_plots_tau_and_speedup_against_training_seconds(monkeypatch, tmp_path):
+    """scripts/bench_budget.py reads the one eval of every (method, budget) run and n-gram
+    lookup: a table per setting and a tau/speedup plot against training seconds."""
+    from draftsmith.eval.combine import read_runs
+    from draftsmith.eval.report import write_index
+    from draftsmith.fsutil import write_json
+
+    bench = bench_script(monkeypatch, "bench_budget")
+    runs, taus = {}, {"ngram": 1.4}
+    for method, base in (("eagle3", 1.2), ("dflash", 1.3)):
+        for budget, gain in ((60.0, 0.0), (180.0, 0.4)):
+            run = tmp_path / method / f"{budget:g}s"
+            run.mkdir(parents=True)
+            (run / "recipe.yaml").write_text(f"train:\n  max_steps: {int(budget / 2)}\n")
+            runs.setdefault(method, {})[budget] = run
+            taus[bench.label(method, budget)] = base + gain
+    settings = []
+    for temperature in (0.0, 0.7):
+        drafters = [{"name": name, "drafter": name, "num_draft": 2, "tau": tau, "verify_passes": 4,
+                     "committed_tokens": 8, "per_position_acceptance": [tau - 1, 0.1],
+                     "accepted_length_hist": [1, 2, 1],
+                     "tokens_per_s": 10.0 * tau, "speedup": tau / 2, "T_draft_ms": 1.0, "T_verify_ms": 2.0}
+                    for name, tau in taus.items()]
+        settings.append((f"t{temperature:g}", {
+            "target": {"path": "smollm2-135m-instruct", "H": 9, "KV": 3, "G": 3, "tile": 128, "D": 41},
+            "settings": {"dataset": "stdlib-instructions", "num_prompts": 1, "max_new_tokens": 8,
+                         "temperature": temperature, "top_k": 20, "top_p": 0.8, "seed": 0},
+            "baseline": {"tokens_per_s": 20.0, "T_target_ms": 2.0}, "drafters": drafters}))
+    for label, results in settings:
+        write_json(tmp_path / "eval" / label / "report.json", results)
+    write_index(settings, tmp_path / "eval")
+    summary = bench.summarize(read_runs(tmp_path / "eval"), runs)
+    assert summary["t0"]["ngram"]["tau"] == 1.4
+    assert [(p["budget_s"], p["steps"], p["tau"]) for p in summary["t0.7"]["dflash"]] == [
+        (60.0, 30, 1.3), (180.0, 90, pytest.approx(1.7))]
+    tables = md_tables(bench.markdown(summary))
+    assert len(tables) == 2 and [r["method"] for r in tables[0]] == ["eagle3", "eagle3", "dflash", "dflash"]
+    assert tables[0][1] == {"method": "eagle3", "budget s": "180", "steps": "90", "tau": "1.60", "speedup": "0.80x",
+                            "accepted 1-4": "0.60 0.10"}
+    bench.plot(summary, tmp_path)
+    for label in ("t0", "t0.7"):
+        assert (tmp_path / f"budget_{label}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_budget_trains_and_evaluates_as_the_demo_does(monkeypatch):
+    """Its rows are the demo's (so `--features` takes the demo's cache) and so is its eval."""
+    import re
+
+    bench = bench_script(monkeypatch, "bench_budget")
+    demo = (ROOT / "scripts" / "demo.sh").read_text()
+    rows = set(re.search(r"^ROWS=\((.*)\)$", demo, re.M).group(1).split())
+    assert {r for r in rows if not r.startswith("train.seed=")} == set(bench.DEMO_ROWS)
+    sampling = re.search(r"^sampling=\((.*)\)$", demo, re.M).group(1)
+    command = []  # the eval line and its continuation lines
+    for line in demo.split("timed eval draftsmith eval")[1].splitlines():
+        command.append(line.rstrip("\\"))
+        if not line.endswith("\\"):
+            break
+    words = " ".join(command).replace('"${sampling[@]}"', sampling).split()
+    pairs = sorted(zip(words[::2], words[1::2]))  # the demo's eval: --flag value pairs
+    mine = [p for p in pairs if p[0] not in ("--target", "--seed", "--out", "--drafter")]
+    assert mine == sorted(zip(bench.EVAL_FLAGS[::2], bench.EVAL_FLAGS[1::2]))

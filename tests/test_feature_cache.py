@@ -5,9 +5,12 @@ import json
 import math
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+import yaml
 from safetensors.torch import load_file, save_file
 
 import draftsmith.train.posthoc as posthoc_module
@@ -18,7 +21,6 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.registry import posthoc
 from draftsmith.train import loop
 from draftsmith.train.loop import train
-from draftsmith.train.posthoc import PostHocMethod
 from tiny_runs import ROOT, for_method, overrides, tiny_recipe
 
 # A bf16 target, as at scale: its features are bf16 already, so the cache holds them exactly
@@ -38,6 +40,13 @@ TENSORS = {"eagle3": lambda hidden: {"hidden": [80, hidden], "logits": [80, 128]
 
 def settings(name):
     return for_method(METHOD, name, "METHOD in tests/test_feature_cache.py")
+
+
+def tensors(name, manifest) -> dict:
+    """The tensors a cache holds for `name`, by their stored names, and their per-row shapes."""
+    hidden = 64 * len(manifest["methods"][name]["layer_ids"])
+    shapes = for_method(TENSORS, name, "TENSORS in tests/test_feature_cache.py")(hidden)
+    return {f"{name}.{k}": v for k, v in shapes.items()}
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +78,10 @@ def test_training_from_the_cache_is_training_online(name, mtp_target_dir, tmp_pa
     online, cache = tmp_path / "online", tmp_path / "cache"
     assert cache_hidden(name, online, mtp_target_dir, cache, "--shard-rows", "8") == 0
     manifest = json.loads((cache / "manifest.json").read_text())
-    assert manifest["complete"] and manifest["method"] == name and len(manifest["shards"]) > 1
+    assert manifest["complete"] and list(manifest["methods"]) == [name] and len(manifest["shards"]) > 1
     # Only what the loss reads: EAGLE-3 its 3 layers and draft-vocabulary logits, DFlash its
-    # context layers, DSpark those and the full logits.
-    hidden = 64 * len(manifest["layer_ids"])
-    want = for_method(TENSORS, name, "TENSORS in tests/test_feature_cache.py")(hidden)
-    assert {k: v["shape"] for k, v in manifest["tensors"].items()} == want
+    # context layers, DSpark those and the full logits; each named after its method.
+    assert {k: v["shape"] for k, v in manifest["tensors"].items()} == tensors(name, manifest)
     # The size printed up front is what lands on disk, give or take the shard headers.
     size = manifest["num_rows"] * sum(math.prod(v["shape"]) * getattr(torch, v["dtype"]).itemsize
                                       for v in manifest["tensors"].values())
@@ -100,15 +107,15 @@ def test_training_from_the_cache_is_training_online(name, mtp_target_dir, tmp_pa
 
 def test_an_interrupted_cache_resumes_where_it_stopped(mtp_target_dir, tmp_path, monkeypatch):
     run, cache = tmp_path / "run", tmp_path / "cache"
-    calls, real = [], PostHocMethod.features
+    calls, real = [], posthoc_module.frozen_forward
 
     def target_forwards(stop_at=None):
-        def features(self, batch):
+        def forward(target, batch, layer_ids):
             calls.append(len(batch["input_ids"]))
             if len(calls) == stop_at:
                 raise KeyboardInterrupt
-            return real(self, batch)
-        monkeypatch.setattr(PostHocMethod, "features", features)
+            return real(target, batch, layer_ids)
+        monkeypatch.setattr(posthoc_module, "frozen_forward", forward)
 
     target_forwards(stop_at=4)  # the size probe, shard 0 in two batches, then the first of shard 1
     flags = ("--shard-rows", "8", "--batch-size", "4")
@@ -151,7 +158,7 @@ def test_a_cache_made_for_something_else_is_refused_in_one_line(mtp_target_dir, 
     refused("eagle3", tmp_path / "nothing", r"nothing: no manifest.json")
     refused("eagle3", eagle3, r"written for another target .*: the weights of .*other_target differ",
             target__path=str(other))
-    refused("dflash", eagle3, r"holds method='eagle3'; this run needs method='dflash'")
+    refused("dflash", eagle3, r"holds features for eagle3; this run needs dflash's")
     refused("dflash", dflash, r"holds layer_ids=\[0, 1, 2\]; this run needs layer_ids=\[0, 3\]",
             method__target_layer_ids=[0, 3])
     refused("eagle3", eagle3, r"holds draft_vocab_sha256=", method__draft_vocab_size=64)
@@ -161,7 +168,7 @@ def test_a_cache_made_for_something_else_is_refused_in_one_line(mtp_target_dir, 
     # Resuming into a folder that holds another cache.
     capsys.readouterr()
     assert cache_hidden("dflash", tmp_path / "run", mtp_target_dir, eagle3) == 2
-    assert "holds a feature cache of other features or rows (method differs)" in capsys.readouterr().err
+    assert "holds a feature cache of other features or rows (methods differs)" in capsys.readouterr().err
 
 
 # EAGLE-3 (its teacher pair) and DSpark (hidden states and full logits) cover every tensor a
@@ -189,3 +196,112 @@ def test_packed_training_from_the_cache_is_packed_training_online(name, mtp_targ
     assert len(logged) == 6 and "val/loss" in logged[-1]
     for got, want in zip(metrics(cached), logged, strict=True):
         assert got == pytest.approx(want, rel=1e-3, abs=1e-6)
+
+
+def test_one_pass_of_the_target_caches_every_post_hoc_method(mtp_target_dir, tmp_path, monkeypatch, capsys):
+    """Several recipes on the same rows: the target is loaded once and run once per batch, and
+    each method's features are those a cache of that method alone holds, bit for bit."""
+    names, run = posthoc(), tmp_path / "run"
+    alone = {}
+    for name in names:
+        alone[name] = tmp_path / f"{name}_alone"
+        assert cache_hidden(name, run, mtp_target_dir, alone[name]) == 0
+    loads, forwards, real_load = [], [], posthoc_module.load_target
+    monkeypatch.setattr(posthoc_module, "load_target", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    real_forward = posthoc_module.target_forward
+    monkeypatch.setattr(posthoc_module, "target_forward", lambda *a, **k: forwards.append(1) or real_forward(*a, **k))
+    shared = tmp_path / "shared"
+    args = [a for name in names for a in ("--recipe", str(recipe_file(tmp_path, name)))]
+    assert main(["data", "cache-hidden", *args, "--target", str(mtp_target_dir), *overrides(run, **POSTHOC),
+                 "--out", str(shared), "--batch-size", "8"]) == 0
+    manifest = json.loads((shared / "manifest.json").read_text())
+    assert list(manifest["methods"]) == names and len(loads) == 1
+    assert len(forwards) == 1 + math.ceil(manifest["num_rows"] / 8)  # the size probe, then each batch once
+    assert {k: v["shape"] for k, v in manifest["tensors"].items()} == {
+        k: v for name in names for k, v in tensors(name, manifest).items()}
+    stored = load_file(shared / "shard-00000.safetensors")
+    for name in names:
+        single = load_file(alone[name] / "shard-00000.safetensors")
+        assert single.keys() == {k for k in stored if k.startswith(f"{name}.")}
+        for key in single:
+            assert torch.equal(stored[key], single[key]), key
+    # A run reads its own method's features from it, as from a cache of its method alone.
+    train(recipe("dflash", tmp_path / "from_shared", mtp_target_dir, data__feature_cache=str(shared)))
+    train(recipe("dflash", tmp_path / "from_alone", mtp_target_dir, data__feature_cache=str(alone["dflash"])))
+    assert metrics(tmp_path / "from_shared") == metrics(tmp_path / "from_alone")
+
+
+def recipe_file(folder, name, **data) -> Path:
+    """The tiny recipe of `name` with this file's method settings (and `data` keys) written in:
+    with several recipes, an override reaches every one of them, so method keys go here."""
+    spec = yaml.safe_load((ROOT / "recipes" / "tiny" / f"{name}.yaml").read_text())
+    spec["method"].update({k.removeprefix("method__"): v for k, v in settings(name).items()})
+    spec["data"] = {**spec.get("data", {}), **data}
+    path = folder / f"{name}{'_other' if data else ''}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_recipes_that_train_on_other_rows_share_no_cache(mtp_target_dir, tmp_path, capsys):
+    run, recipes = tmp_path / "run", [str(recipe_file(tmp_path, n)) for n in ("eagle3", "dflash")]
+    common = overrides(run, **POSTHOC)
+
+    def refused(args, pattern):
+        capsys.readouterr()
+        assert main(["data", "cache-hidden", *args, "--target", str(mtp_target_dir), *common,
+                     "--out", str(tmp_path / "cache")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and re.search(pattern, err[0]), err
+        assert not (tmp_path / "cache").exists()
+
+    two = ["--recipe", recipes[0], "--recipe", recipes[1]]
+    refused([*two, "--method", "dflash"], r"--method names the method of one recipe")
+    refused(["--recipe", recipes[1], "--recipe", recipes[1]], r"method dflash named by two recipes")
+    # A recipe whose answers are sampled otherwise trains on other rows.
+    other = recipe_file(tmp_path, "dflash", regen_top_k=7)
+    refused([*two[:2], "--recipe", str(other)], r"the eagle3 and dflash recipes train on other rows \(data.regen_top_k")
+
+
+def test_the_draft_model_trains_on_a_caches_rows_without_the_target(mtp_target_dir, tmp_path, monkeypatch, capsys):
+    """`data.feature_cache` for the draft model: the cache's rows (the target's answers), the
+    loss on the answer tokens alone, no target loaded; a distillation weight is refused."""
+    import draftsmith.train.draft_lm as draft_lm_module
+
+    cache = tmp_path / "cache"
+    assert cache_hidden("dflash", tmp_path / "run", mtp_target_dir, cache) == 0
+    monkeypatch.setattr(draft_lm_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
+    rows = dict(data__regen_temperature=0.7, data__regen_top_p=0.8, data__regen_top_k=20)  # the dflash recipe's
+    common = dict(target__path=str(mtp_target_dir), data__feature_cache=str(cache), method__distill_weight=0.0,
+                  data__group_by_length=True, **POSTHOC, **rows)
+    checked = []  # per batch: answer tokens, all tokens, the logged loss minus CE on the answers alone
+    real_loss = draft_lm_module.DraftLMTraining.loss
+
+    def loss(self, model, batch, *args, **kwargs):
+        total, logged = real_loss(self, model, batch, *args, **kwargs)
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
+            answer = (batch["loss_mask"] * batch["attention_mask"])[:, 1:].bool()
+            want = F.cross_entropy(logits[answer], batch["input_ids"][:, 1:][answer])
+        checked.append((int(answer.sum()), int(batch["attention_mask"].sum()), logged["loss_main"] - want.item()))
+        return total, logged
+
+    monkeypatch.setattr(draft_lm_module.DraftLMTraining, "loss", loss)
+    train(tiny_recipe("draft_lm", tmp_path / "draft_lm", **common))
+    assert (tmp_path / "draft_lm" / "model" / "config.json").is_file() and len(checked) >= 4
+    assert all(0 < answer < real and abs(gap) < 1e-4 for answer, real, gap in checked), checked
+    losses = [row["train/loss"] for row in metrics(tmp_path / "draft_lm") if "train/loss" in row]
+    assert losses[0] > losses[-1]  # it learns the answers
+    with pytest.raises(DraftsmithError, match="distill_weight > 0 reads the target's logits"):
+        train(tiny_recipe("draft_lm", tmp_path / "distilled", **{**common, "method__distill_weight": 0.5}))
+    with pytest.raises(DraftsmithError, match="holds data.regen_top_k=20; this run needs data.regen_top_k=5"):
+        train(tiny_recipe("draft_lm", tmp_path / "other", **{**common, "data__regen_top_k": 5}))
+
+
+def test_a_cache_of_an_older_format_is_refused_in_one_line(mtp_target_dir, tmp_path):
+    cache = tmp_path / "cache"
+    assert cache_hidden("dflash", tmp_path / "run", mtp_target_dir, cache) == 0
+    manifest = json.loads((cache / "manifest.json").read_text())
+    (cache / "manifest.json").write_text(json.dumps({**manifest, "format": "draftsmith-feature-cache/1"}))
+    with pytest.raises(DraftsmithError, match=r"written by an older draftsmith \(draftsmith-feature-cache/1\): "
+                                              "rerun draftsmith data cache-hidden into a new folder"):
+        train(recipe("dflash", tmp_path / "x", mtp_target_dir, data__feature_cache=str(cache)))

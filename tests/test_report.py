@@ -1,10 +1,13 @@
 import copy
 import json
+import shutil
 
 import pytest
 
+from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval import report
+from draftsmith.eval.combine import read_runs
 from draftsmith.eval.report import format_table, speedup_bound, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -158,7 +161,7 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
         for label, run in runs:
             write_report(run, folder / label)
         write_index(runs, folder)
-        per_seed[seed] = bench.load_reports(folder)
+        per_seed[seed] = read_runs(folder)
     summary = bench.summarize(per_seed)
     assert set(summary) == {"t0", "t0.7"}
     eagle = summary["t0"]["drafters"]["eagle3"]
@@ -173,3 +176,95 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
     del per_seed[2]["t0"]["drafters"][0]  # a drafter missing from one seed is an error, not a gap
     with pytest.raises(ValueError, match="eagle3 is missing"):
         bench.summarize(per_seed)
+
+
+def _eval_folder(results, folder, temperatures, **baseline):
+    """An eval output folder: one report per temperature under an index, as eval writes it."""
+    runs = []
+    for temperature in temperatures:
+        run = copy.deepcopy(results)
+        run["settings"]["temperature"] = temperature
+        run["baseline"].update(baseline)
+        runs.append((report.temperature_label(temperature), run))
+    for label, run in runs:
+        write_report(run, folder / label)
+    report.write_index(runs, folder)
+    return folder
+
+
+def test_report_puts_drafters_of_two_targets_on_one_page(results, tmp_path, capsys):
+    """`draftsmith report`: the demo's real-target drafters and its tiny target's MTP rows, per
+    setting, each row priced against its own target's plain decoding."""
+    real = _eval_folder(results, tmp_path / "eval" / "real", (0.0, 0.7))
+    tiny = copy.deepcopy(results)
+    tiny["target"]["path"] = "runs/demo/mtp"
+    tiny["drafters"] = [drafter("mtp", 2, 2.0, 1.0, 9.0, 0.8)]
+    del tiny["drafters"][0]["bound"]  # eval would have written it against the tiny target's own 5 ms
+    tiny_dir = _eval_folder(tiny, tmp_path / "eval" / "tiny", (0.0, 0.7), T_target_ms=5.0, tokens_per_s=200.0)
+    out = tmp_path / "report"
+    assert main(["report", str(real), str(tiny_dir), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    header = "| drafter | target | D | tau | tokens/s | speedup | bound | " + " | ".join(
+        f"accepted {k}" for k in range(1, 5)) + " |"
+    assert md.count(header) == 2
+    table = md.split(header)[1].split("\n\n")[0].splitlines()[2:]
+    assert table == [
+        "| plain decoding | `runs/tiny-target` | 0 | 1.00 | 40.0 | 1.00x | - | - | - | - | - |",
+        "| eagle3 | `runs/tiny-target` | 3 | 2.50 | 64.0 | 1.60x | 1.84x | 0.90 | 0.81 | 0.73 | - |",
+        "| dspark | `runs/tiny-target` | 5 | 3.25 | 84.0 | 2.10x | 2.39x | 0.90 | 0.81 | 0.73 | 0.66 |",
+        "| plain decoding (tiny) | `runs/demo/mtp` | 0 | 1.00 | 200.0 | 1.00x | - | - | - | - | - |",
+        # 2.0 * 5 / (1 + 9): the tiny target's own step time, not the primary target's 25 ms.
+        "| mtp (tiny) | `runs/demo/mtp` | 2 | 2.00 | 32.0 | 0.80x | 1.00x | 0.90 | 0.81 | - | - |"]
+    assert "## Greedy" in md and "## Temperature 0.7" in md and "[tiny](../eval/tiny/report.md)" in md
+    for label in ("t0", "t0.7"):
+        assert all((out / label / plot).read_bytes().startswith(PNG_MAGIC)
+                   for plot in ("tau.png", "speedup.png", "acceptance.png"))
+    # The combined folder reads back as an eval folder does (scripts/bench_demo.py sums seeds of it).
+    runs = read_runs(out)
+    assert [d["name"] for d in runs["t0.7"]["drafters"]] == ["eagle3", "dspark", "mtp (tiny)"]
+    assert runs["t0"]["drafters"][2]["target_name"] == "runs/demo/mtp" and runs["t0"]["drafters"][2]["report"] == 1
+
+    capsys.readouterr()
+    only_greedy = _eval_folder(tiny, tmp_path / "eval" / "greedy", (0.0,))
+    assert main(["report", str(real), str(only_greedy), "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no t0.7 setting" in err[0] and not (tmp_path / "refused").exists()
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(tmp_path / "refused")]) == 2
+    assert "no report.json" in capsys.readouterr().err
+    # Never written over a report it reads, nor over a (previous report's) folder holding one.
+    holder = tmp_path / "holder"
+    shutil.copytree(real, holder / "real")
+    (holder / "report.json").write_text("{}")
+    kept = (real / "report.md").read_text()
+    for out, first in ((real, real), (holder, holder / "real")):
+        assert main(["report", str(first), str(tiny_dir), "--out", str(out)]) == 2
+        assert "writing it would replace it" in capsys.readouterr().err
+    assert (real / "report.md").read_text() == kept and (holder / "real" / "report.md").read_text() == kept
+
+
+def test_report_names_other_reports_by_as_much_of_their_path_as_tells_them_apart(results, tmp_path, capsys):
+    first = _eval_folder(results, tmp_path / "a" / "eval", (0.0,))
+    second = _eval_folder(results, tmp_path / "b" / "eval", (0.0,))
+    assert main(["report", str(first), str(second), "--out", str(tmp_path / "both")]) == 0
+    names = [d["name"] for d in read_runs(tmp_path / "both")["t0"]["drafters"]]
+    assert names == ["eagle3", "dspark", "eagle3 (b/eval)", "dspark (b/eval)"]
+
+
+def test_report_refuses_inputs_it_cannot_put_side_by_side(results, tmp_path, capsys):
+    real = _eval_folder(results, tmp_path / "real", (0.0, 0.7))
+    other = copy.deepcopy(results)
+    other["settings"].update(top_p=0.9)
+    sampled_otherwise = _eval_folder(other, tmp_path / "other", (0.0, 0.7))
+    assert main(["report", str(real), str(_eval_folder(results, tmp_path / "b", (0.0, 0.7))),
+                 "--out", str(tmp_path / "combined")]) == 0
+
+    def refused(args, pattern):
+        capsys.readouterr()
+        assert main(["report", *map(str, args), "--out", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and pattern in err[0], err
+        assert not (tmp_path / "refused").exists()
+
+    refused([real, sampled_otherwise], "decoded t0.7 as temperature 0.7, top-p 0.9")
+    refused([real, tmp_path / "combined"], "is a combined report: give the eval folders it was made from")
+    refused([real, real], "given twice")

@@ -1,5 +1,7 @@
 """The external draft model: a small causal LM on the target's tokenizer, pretrained on the
-corpus, optionally distilled towards the frozen target (forward KL on the same text)."""
+corpus, optionally distilled towards the frozen target (forward KL on the same text); or,
+with `data.feature_cache`, trained on the target's own answers in that cache's rows (the
+rows the post-hoc drafters train on: sequence-level distillation, the target never loaded)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ class DraftLMTraining(TrainMethod):
             raise DraftsmithError("method.distill_weight > 0 needs target.path (the model to distill from)")
         self.tokenizer = load_tokenizer(recipe)
         self.target = None
+        if recipe.data.feature_cache:
+            self.load_answers(recipe, c)
+            return
         if recipe.target.path and c.distill_weight > 0:
             self.target = load_target(find_model_dir(recipe.target.path), device=device)
             if self.target.config.vocab_size != len(self.tokenizer):
@@ -35,6 +40,27 @@ class DraftLMTraining(TrainMethod):
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
         self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
 
+    def load_answers(self, recipe, c: DraftLMConfig) -> None:
+        """The rows of a feature cache, their answer tokens the loss (no target loaded)."""
+        from draftsmith.data.feature_cache import FeatureCache
+        from draftsmith.train.posthoc import cached_rows
+
+        if not recipe.target.path:
+            raise DraftsmithError("data.feature_cache: set target.path= (the target the cache was written for)")
+        if recipe.data.tokenizer:
+            raise DraftsmithError("data.tokenizer: a feature cache's rows are in its target's tokens; "
+                                  "leave data.tokenizer unset to use the target's tokenizer")
+        if c.distill_weight > 0:
+            raise DraftsmithError("method.distill_weight > 0 reads the target's logits, which a feature cache's "
+                                  "rows do not hold for the draft model: set it to 0 (the rows are its answers)")
+        self.model = self.build_drafter()
+        self.train_data, self.eval_data = cached_rows(FeatureCache(recipe.data.feature_cache), recipe,
+                                                      find_model_dir(recipe.target.path))
+
+    def train_tokens(self) -> dict[str, torch.Tensor]:
+        cached = self.recipe.data.feature_cache
+        return self.train_data.tokens if cached else super().train_tokens()
+
     def build_drafter(self) -> nn.Module:
         r = self.recipe
         # seed + 1: not the initial weights of a tiny target built from train.seed
@@ -44,9 +70,14 @@ class DraftLMTraining(TrainMethod):
     def loss(self, model, batch, step, micro=0, total_steps=0):
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits[:, :-1]
-        lm = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        metrics = {"loss_main": lm.item(),
-                   "acc_main": (logits.argmax(-1) == ids[:, 1:]).float().mean().item()}
+        # A feature cache's rows (conversations) train on the answers alone, as the post-hoc drafters do.
+        cached = self.recipe.data.feature_cache
+        mask = batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:] if cached else None
+        lm = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+        hit = (logits.argmax(-1) == ids[:, 1:]).float().flatten()
+        weights = torch.ones_like(lm) if mask is None else mask.flatten().float()
+        lm, acc = (lm * weights).sum() / weights.sum().clamp(min=1), (hit * weights).sum() / weights.sum().clamp(min=1)
+        metrics = {"loss_main": lm.item(), "acc_main": acc.item()}
         total = lm
         if self.target is not None:
             with torch.no_grad():

@@ -48,7 +48,9 @@ class TrainMethod:
         raise NotImplementedError
 
     def tokens_in(self, batch: dict[str, torch.Tensor]) -> int:
-        return int(batch["input_ids"].numel())
+        """The batch's real tokens (padding left out where a mask marks it)."""
+        mask = batch.get("attention_mask")
+        return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
 
     def save(self, model: nn.Module, out_dir: Path) -> Path:
         """Write the final artifact (atomically) and return its folder."""

@@ -30,7 +30,7 @@ from draftsmith.models.native import save_drafter
 from draftsmith.models.target import TargetOutput, find_model_dir, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
-from draftsmith.train.method import TrainMethod, build_method
+from draftsmith.train.method import TrainMethod
 
 
 class LossForward(nn.Module):
@@ -55,7 +55,8 @@ class PostHocMethod(TrainMethod):
 
     layer_ids: list[int]
 
-    def __init__(self, recipe: Recipe, device: torch.device):
+    def __init__(self, recipe: Recipe, device: torch.device, target: nn.Module | None = None):
+        """`target`: the frozen target already loaded (by another method of one feature cache)."""
         super().__init__(recipe, device)
         from draftsmith.data.tokenizer import check_fits, load_pretrained_tokenizer
         from draftsmith.models.tile import read_target_config
@@ -75,28 +76,27 @@ class PostHocMethod(TrainMethod):
             recipe = dataclasses.replace(recipe, data=dataclasses.replace(
                 recipe.data, enable_thinking=template_kwargs["enable_thinking"]))
         self.recipe = recipe
-        self.load_rows(device)
+        self.load_rows(device, target)
         drafter = self.build_drafter()
         self.layer_ids = list(drafter.config.target_layer_ids)
         drafter.gradient_checkpointing = recipe.train.gradient_checkpointing
         self.model = LossForward(drafter.to(device=device, dtype=torch.float32))
         self.check_cache()
 
-    def load_rows(self, device: torch.device) -> None:
+    def load_rows(self, device: torch.device, target: nn.Module | None = None) -> None:
         """The target and the rows: from a feature cache, the rows it holds and the target's ends
-        alone; else the whole target, and the rows rendered from its answers (data/posthoc_rows.py)."""
+        alone; else the whole target (`target` where given), and the rows rendered from its
+        answers (data/posthoc_rows.py)."""
         recipe = self.recipe
         self.feature_cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
         if self.feature_cache is not None:
-            self.feature_cache.expect_target(self.target_dir)
-            self.feature_cache.expect(rows_settings(recipe), section="rows")
+            self.train_data, self.eval_data = cached_rows(self.feature_cache, recipe, self.target_dir)
             self.target = load_target_ends(self.target_dir, dtype=recipe.target.dtype, device=device)
-            n_train = self.feature_cache.manifest["splits"]["train"]
-            self.train_data = self.feature_cache.rows(0, n_train)
-            self.eval_data = self.feature_cache.rows(n_train, self.feature_cache.manifest["num_rows"])
         else:
-            self.target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
-                                      attn_implementation=recipe.target.attn_implementation)
+            if target is None:
+                target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
+                                     attn_implementation=recipe.target.attn_implementation)
+            self.target = target
             self.train_data, self.eval_data, self.rows_source = training_rows(recipe, self.target, self.tokenizer)
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
@@ -118,54 +118,121 @@ class PostHocMethod(TrainMethod):
     def check_cache(self) -> None:
         """Refuse a feature cache that holds other features than this run's loss reads."""
         if self.feature_cache is not None:
-            self.feature_cache.expect(self.feature_identity())
+            self.feature_cache.expect_method(self.feature_identity())
 
     def features(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`extract` of the frozen target's forward over the batch, or its cached copy."""
         if self.feature_cache is not None:
-            return {k: batch[k] for k in self.feature_cache.manifest["tensors"]}
-        # A packed batch goes in by its positions alone: transformers then masks each conversation
-        # off from the others (packed-sequence masks on every attention backend; data/packing.py).
-        packed = batch.get("position_ids")
-        with torch.no_grad():
-            out = target_forward(self.target, batch["input_ids"], position_ids=packed, capture=self.layer_ids,
-                                 attention_mask=batch["attention_mask"] if packed is None else None)
-            return self.extract(out)
-
-    def tokens_in(self, batch) -> int:
-        return int(batch["attention_mask"].sum())
+            return {k: batch[k] for k in self.train_data.stored}
+        return self.extract(frozen_forward(self.target, batch, self.layer_ids))
 
     def save(self, model, out_dir: Path) -> Path:
         """The drafter in the native format, naming the target it was trained against."""
         return save_drafter(model.drafter, out_dir / "model", extra={"target": str(self.target_dir)})
 
 
-def cache_hidden(recipe: Recipe, out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
-    """Run the target once over the rows `recipe` trains on and store what its method's loss
-    reads of them (`draftsmith data cache-hidden`); resumable. Builds the method itself, so
-    the rows, split, layer ids and draft vocabulary are the training run's own."""
-    if not recipe.method.spec.reads_target_features:
-        raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(posthoc())} "
-                              "read target features")
+def cached_rows(feature_cache: FeatureCache, recipe: Recipe, target_dir: Path):
+    """The training and held-out rows of a feature cache of `recipe`'s rows over the target in
+    `target_dir`, each with the features stored for the recipe's method (none for a method
+    that reads only the rows, as the draft model does)."""
+    feature_cache.expect_target(target_dir)
+    feature_cache.expect(rows_settings(recipe), section="rows")
+    n_train, name = feature_cache.manifest["splits"]["train"], recipe.method.name
+    return feature_cache.rows(0, n_train, name), feature_cache.rows(n_train, feature_cache.manifest["num_rows"], name)
+
+
+def frozen_forward(target: nn.Module, batch: dict[str, torch.Tensor], layer_ids) -> TargetOutput:
+    """The frozen target's forward over a batch of rows, capturing `layer_ids`."""
+    # A packed batch goes in by its positions alone: transformers then masks each conversation
+    # off from the others (packed-sequence masks on every attention backend; data/packing.py).
+    packed = batch.get("position_ids")
+    with torch.no_grad():
+        return target_forward(target, batch["input_ids"], position_ids=packed, capture=layer_ids,
+                              attention_mask=batch["attention_mask"] if packed is None else None)
+
+
+def _check_cacheable(recipes: list[Recipe]) -> None:
+    """One post-hoc method per recipe, each named once (a cache keys its features by the name)."""
+    names = [r.method.name for r in recipes]
+    for recipe in recipes:
+        if not recipe.method.spec.reads_target_features:
+            raise DraftsmithError(f"method.name {recipe.method.name!r}: only {', '.join(posthoc())} "
+                                  "read target features")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise DraftsmithError(f"cache-hidden: method {twice[0]} named by two recipes (a cache holds one set of "
+                              "features per method; its other runs read the same)")
+
+
+def _rows_and_target(recipe: Recipe, decided: bool) -> dict:
+    """What a cache's rows and features depend on: the rows' settings and the target as
+    loaded. Before the methods are built (`decided` False), without the keys a method decides
+    when they are unset (data.enable_thinking)."""
+    rows = rows_settings(recipe)
+    if not decided:
+        rows.pop("data.enable_thinking", None)
+    t = recipe.target
+    return {**rows, "target.path": str(find_model_dir(t.path)) if t.path else "", "target.dtype": t.dtype,
+            "target.attn_implementation": t.attn_implementation}
+
+
+def _check_same_rows(recipes: list[Recipe], decided: bool = False) -> None:
+    """Every recipe trains on the same rows of the same target: one cache holds one set of
+    rows, computed by one target."""
+    first = _rows_and_target(recipes[0], decided)
+    for recipe in recipes[1:]:
+        other = _rows_and_target(recipe, decided)
+        differs = [k for k in {**first, **other} if first.get(k) != other.get(k)]
+        if differs:
+            raise DraftsmithError(f"cache-hidden: the {recipes[0].method.name} and {recipe.method.name} recipes "
+                                  f"train on other rows ({differs[0]}: {first.get(differs[0])!r} and "
+                                  f"{other.get(differs[0])!r}); one cache holds one set of rows")
+
+
+def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
+    """Run the target once over the rows the recipes train on and store what each one's method
+    reads of them (`draftsmith data cache-hidden`); resumable. Builds each method itself, so
+    the rows, split, layer ids and draft vocabulary are the training runs' own; the target is
+    loaded once, and each batch's forward captures the layers every method reads."""
     from draftsmith.processes import current_processes
 
+    _check_cacheable(recipes)
+    _check_same_rows(recipes)
     check_sizes(batch_size, shard_rows)  # before the target is loaded or any data regenerated
-    check_not_an_input(out, {"--target": find_model_dir(recipe.target.path) if recipe.target.path else None,
-                             "--dataset": recipe.data.dataset}, folder=True)
-    recipe = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
+    for recipe in recipes:
+        check_not_an_input(out, {"--target": find_model_dir(recipe.target.path) if recipe.target.path else None,
+                                 "--dataset": recipe.data.dataset}, folder=True)
     # Under `accelerate launch` every process computes its share of the shards on its own device.
     processes = current_processes()
     device = torch.device(processes.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    method = build_method(recipe, device)
-    train_rows, eval_rows = method.train_data[:], method.eval_data[:]
+    methods, target = [], None
+    for recipe in recipes:
+        online = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
+        methods.append(recipe.method.spec.load("training")(online, device, target=target))
+        target = methods[-1].target
+    first = methods[0]
+    _check_same_rows([m.recipe for m in methods], decided=True)
+    train_rows, eval_rows = first.train_data[:], first.eval_data[:]
     tokens = {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
+    for method in methods[1:]:  # the same settings render the same rows; said, not assumed
+        rows = {k: torch.cat([method.train_data[:][k], method.eval_data[:][k]]) for k in ROW_KEYS}
+        if len(method.train_data) != len(first.train_data) or any(not torch.equal(rows[k], tokens[k])
+                                                                  for k in ROW_KEYS):
+            raise DraftsmithError(f"cache-hidden: the {first.recipe.method.name} and {method.recipe.method.name} "
+                                  "recipes rendered other rows from the same settings; one cache holds one set of rows")
     identity = {
-        "target": {"path": str(method.target_dir), "fingerprint": target_fingerprint(method.target_dir)},
-        **method.feature_identity(),
-        "rows": rows_settings(method.recipe),  # with what the method decided (data.enable_thinking)
-        "source": str(method.rows_source),
-        "splits": {"train": len(method.train_data), "eval": len(method.eval_data)},
+        "target": {"path": str(first.target_dir), "fingerprint": target_fingerprint(first.target_dir)},
+        "methods": {m.recipe.method.name: {k: v for k, v in m.feature_identity().items() if k != "method"}
+                    for m in methods},
+        "rows": rows_settings(first.recipe),  # with what the method decided (data.enable_thinking)
+        "source": str(first.rows_source),
+        "splits": {"train": len(first.train_data), "eval": len(first.eval_data)},
     }
-    return write_feature_cache(out, identity, tokens, lambda batch: method.features(
-        {k: v.to(device) for k, v in batch.items()}), batch_size=batch_size, shard_rows=shard_rows,
-        processes=processes)
+    layer_ids = sorted({i for m in methods for i in m.layer_ids})
+
+    def compute(batch):
+        out = frozen_forward(target, {k: v.to(device) for k, v in batch.items()}, layer_ids)
+        return {f"{m.recipe.method.name}.{k}": v for m in methods for k, v in m.extract(out).items()}
+
+    return write_feature_cache(out, identity, tokens, compute, batch_size=batch_size, shard_rows=shard_rows,
+                               processes=processes)

@@ -1,0 +1,178 @@
+"""What training buys on the real target: EAGLE-3, DFlash and DSpark trained against
+SmolLM2-135M-Instruct for the same seconds at several budgets, each evaluated as
+scripts/demo.sh evaluates, tau and speedup plotted against training seconds, one line per
+method (n-gram lookup, untrained, as a level line).
+
+Every run trains from one feature cache of the demo's rows (the target's answers to
+`stdlib-instructions`, one pass of the target for all three methods), built first and
+outside any budget. Seconds become steps as in scripts/bench_ablation.py: per method, two
+short runs give its seconds per optimizer step net of start-up; each budget then trains its
+own run of round(B / s) steps, warm-up and schedule as the recipe says (what a user with
+that budget gets, not a checkpoint along a longer run). Then one `draftsmith eval` of every
+run (one plain decode for all), greedy and at temperature 0.7 / top-p 0.8 / top-k 20, D = 7.
+Training and eval subprocesses run one at a time under the shared CPU lock.
+
+    python scripts/bench_budget.py                          # 300, 900 and 2700 s: 5, 15, 45 minutes of 2 cores
+    python scripts/bench_budget.py --budgets 60 180 --methods dflash eagle3 --out runs/bench_budget_small
+    python scripts/bench_budget.py --features runs/demo/features   # the demo's cache (same rows, same seed)
+    python scripts/bench_budget.py --summarize-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench_ablation import CALIBRATION, MIN_STEPS, Bench, check_steps, run_script
+
+from draftsmith.eval.combine import read_runs
+from draftsmith.eval.report import setting_name
+from draftsmith.fsutil import atomic_file, read_json, write_json
+from draftsmith.recipe import read_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL = ROOT / "recipes" / "smollm2_135m"
+TARGET = "smollm2-135m-instruct"
+METHODS = ("eagle3", "dflash", "dspark")
+# scripts/demo.sh's rows and evaluation (tests/test_bench_scripts.py holds them to it)
+DEMO_ROWS = ("data.num_conversations=80", "train.seq_len=384")
+EVAL_FLAGS = ["--dataset", "stdlib-instructions", "--num-prompts", "7", "--max-new-tokens", "40", "--num-draft", "7",
+              "--temperature", "0", "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
+
+
+class BudgetBench(Bench):
+    """bench_ablation's Bench (the CPU lock, logs, calibration) on a real-target recipe,
+    every run reading one feature cache; `seconds` is the largest budget (calibration's
+    printed step count)."""
+
+    def __init__(self, method: str, out: Path, features: Path, seed: int, seconds: float):
+        super().__init__(method, TARGET, out, seconds)
+        self.features, self.seed = features, seed
+        self.recipe, self.extra = REAL / f"{method}.yaml", (*DEMO_ROWS, f"data.feature_cache={features}")
+
+    def scratch_train(self, overrides, seed: int, steps: int, log_name: str) -> float:
+        # Calibration trains at seed 0; the cache's rows are this bench's seed's (train.seed keys them).
+        return super().scratch_train(overrides, self.seed, steps, log_name)
+
+    def cache(self, methods) -> None:
+        """The feature cache of every method's rows, unless it is there and complete."""
+        manifest = self.features / "manifest.json"
+        if manifest.is_file() and read_json(manifest).get("complete"):
+            return
+        recipes = [a for m in methods for a in ("--recipe", str(REAL / f"{m}.yaml"))]
+        print(f"== feature cache into {self.features} (the target's answers first)", flush=True)
+        self.locked([sys.executable, "-m", "draftsmith.cli", "data", "cache-hidden", *recipes, *DEMO_ROWS,
+                     f"train.seed={self.seed}", "--out", str(self.features)], "cache_hidden")
+
+    def budget_runs(self, budgets: list[float]) -> dict[float, Path]:
+        """One run per budget, trained unless its model is there (with the steps planned)."""
+        sec_per_step = self.calibrate({"base": ()})["base"]["sec_per_step"]
+        runs = {}
+        for budget in budgets:
+            steps = max(MIN_STEPS, round(budget / sec_per_step))
+            run = self.out / f"{budget:g}s"
+            if (run / "model").exists():
+                check_steps(run, steps)
+            else:
+                print(f"== {self.kind} {budget:g} s: {steps} steps", flush=True)
+                self.train((), run, self.seed, steps, f"train_{budget:g}s")
+            runs[budget] = run
+        return runs
+
+
+def label(method: str, budget: float) -> str:
+    return f"{method}_{budget:g}s"
+
+
+def summarize(reports: dict[str, dict], runs: dict[str, dict[float, Path]]) -> dict:
+    """{setting: {"ngram": row, method: [{budget, steps, tau, speedup, acceptance}, ...]}}."""
+    summary = {}
+    for setting, report in reports.items():
+        rows = {d["name"]: d for d in report["drafters"]}
+        block = {"settings": report["settings"], "ngram": _point(rows["ngram"])}
+        for method, per_budget in runs.items():
+            block[method] = [{"budget_s": budget, "steps": int(read_yaml(run / "recipe.yaml")["train"]["max_steps"]),
+                              **_point(rows[label(method, budget)])} for budget, run in sorted(per_budget.items())]
+        summary[setting] = block
+    return summary
+
+
+def _point(row: dict) -> dict:
+    return {"tau": row["tau"], "speedup": row["speedup"], "acceptance": row["per_position_acceptance"][:4]}
+
+
+def markdown(summary: dict) -> str:
+    lines = []
+    for setting, block in summary.items():
+        n = block["ngram"]
+        lines += [f"## {setting}: {setting_name(block['settings'])}", "",
+                  f"n-gram lookup (no training): tau {n['tau']:.2f}, speedup {n['speedup']:.2f}x.", "",
+                  "| method | budget s | steps | tau | speedup | accepted 1-4 |",
+                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for method in (m for m in block if m not in ("settings", "ngram")):
+            for p in block[method]:
+                accepted = " ".join(f"{a:.2f}" for a in p["acceptance"])
+                lines.append(f"| {method} | {p['budget_s']:g} | {p['steps']} | {p['tau']:.2f} | {p['speedup']:.2f}x "
+                             f"| {accepted} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, out: Path) -> None:
+    """Per setting, tau and speedup against training seconds: a line per method, n-gram level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for setting, block in summary.items():
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, key in zip(axes, ("tau", "speedup")):
+            for method in (m for m in block if m not in ("settings", "ngram")):
+                points = block[method]
+                ax.plot([p["budget_s"] for p in points], [p[key] for p in points], marker="o", label=method)
+            ax.axhline(block["ngram"][key], color="grey", linestyle="--", label="ngram (no training)")
+            ax.set(xscale="log", xlabel="training seconds (2 CPU cores)", ylabel=key)
+            ax.legend()
+        fig.suptitle(f"SmolLM2-135M-Instruct, {setting_name(block['settings'])}, D = 7")
+        fig.tight_layout()
+        fig.savefig(out / f"budget_{setting}.png", dpi=100)
+        plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[300.0, 900.0, 2700.0],
+                        help="training seconds per run (default 300 900 2700)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_budget")
+    parser.add_argument("--features", type=Path, help="the feature cache (default OUT/features, built if absent)")
+    parser.add_argument("--summarize-only", action="store_true", help="read finished runs and their eval; run nothing")
+    args = parser.parse_args(argv)
+    out = args.out.resolve()
+    features = (args.features or out / "features").resolve()
+    benches = {m: BudgetBench(m, out / m, features, args.seed, max(args.budgets)) for m in args.methods}
+    if args.summarize_only:
+        runs = {m: {b: out / m / f"{b:g}s" for b in args.budgets} for m in args.methods}
+    else:
+        next(iter(benches.values())).cache(METHODS)  # every method's features: one cache serves any --methods
+        runs = {m: bench.budget_runs(args.budgets) for m, bench in benches.items()}
+        drafters = [a for m, per in runs.items() for b, run in per.items()
+                    for a in ("--drafter", f"{label(m, b)}={m}:{run}")]
+        Bench("eval", TARGET, out, 0.0).locked([sys.executable, "-m", "draftsmith.cli", "eval", "--target", TARGET,
+                                                "--out", str(out / "eval"), *EVAL_FLAGS, "--seed", str(args.seed),
+                                                "--drafter", "ngram", *drafters], "eval")
+    summary = summarize(read_runs(out / "eval"), runs)
+    write_json(out / "budget.json", {"budgets": args.budgets, "calibration_steps": list(CALIBRATION),
+                                     "summary": summary})
+    text = markdown(summary)
+    with atomic_file(out / "budget.md") as handle:
+        handle.write(text)
+    plot(summary, out)
+    print(text)
+
+
+if __name__ == "__main__":
+    run_script(main)
