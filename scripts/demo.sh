@@ -10,7 +10,8 @@
 # in pretraining, so they come with a tiny target pretrained here for minutes (their rows say
 # so). One report compares all of them and n-gram lookup on held-out prompts, greedy and at
 # temperature 0.7 / top-p 0.8 / top-k 20 (the sampling the training answers were drawn with).
-# A stage whose output exists is reused; `make clean` (or RUNS=elsewhere) starts over.
+# A stage whose output exists is reused when it was trained the same way (recipe, overrides,
+# seed), else the demo stops naming it; `make clean` (or RUNS=elsewhere) starts over.
 # DEMO_OVERRIDES="train.max_steps=20" shrinks every training stage (a smoke run); it reaches the
 # feature cache too, so a key that changes the rows (data.num_conversations=16) changes them everywhere.
 set -euo pipefail
@@ -25,9 +26,14 @@ REAL=recipes/smollm2_135m
 ROWS=(data.num_conversations=80 train.seq_len=384 train.seed="$SEED")
 CACHED=("${ROWS[@]}" data.feature_cache="$RUNS/features")
 
-stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exists
+stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exists, trained so
   local name=$1 recipe=$2; shift 2
+  local how="$recipe $* ${EXTRA[*]} seed=$SEED"  # what the stage trains; a model trained otherwise is not reused
   if [ -e "$RUNS/$name/model" ]; then
+    if [ "$(cat "$RUNS/$name/demo_stage" 2>/dev/null)" != "$how" ]; then
+      echo "== $name: $RUNS/$name holds a model trained otherwise (an earlier demo?): remove it, or set RUNS=" >&2
+      exit 1
+    fi
     echo "== $name: reusing $RUNS/$name/model"
   else
     echo "== $name: draftsmith train --recipe $recipe $*"
@@ -35,6 +41,7 @@ stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exis
     # An interrupted stage left checkpoints: continue it (a fresh run into its folder is refused).
     [ -n "$(ls -A "$RUNS/$name/checkpoints" 2>/dev/null)" ] && resume=(train.resume=true)
     draftsmith train --recipe "$recipe" train.output_dir="$RUNS/$name" train.seed="$SEED" "$@" "${EXTRA[@]}" "${resume[@]}"
+    echo "$how" > "$RUNS/$name/demo_stage"
     echo "== $name: $(( $(date +%s) - t0 )) s"
   fi
 }
