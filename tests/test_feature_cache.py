@@ -262,14 +262,13 @@ def test_recipes_that_train_on_other_rows_share_no_cache(mtp_target_dir, tmp_pat
     refused([*two[:2], "--recipe", str(other)], r"the eagle3 and dflash recipes train on other rows \(data.regen_top_k")
 
 
-def test_the_draft_model_trains_on_a_caches_rows_without_the_target(mtp_target_dir, tmp_path, monkeypatch, capsys):
+def test_the_draft_model_trains_on_a_caches_answer_tokens(mtp_target_dir, tmp_path, monkeypatch, capsys):
     """`data.feature_cache` for the draft model: the cache's rows (the target's answers), the
-    loss on the answer tokens alone, no target loaded; a distillation weight is refused."""
+    loss on the answer tokens alone; a distillation weight (which would need the target) is refused."""
     import draftsmith.train.draft_lm as draft_lm_module
 
     cache = tmp_path / "cache"
     assert cache_hidden("dflash", tmp_path / "run", mtp_target_dir, cache) == 0
-    monkeypatch.setattr(draft_lm_module, "load_target", lambda *a, **k: pytest.fail("the target was loaded"))
     rows = dict(data__regen_temperature=0.7, data__regen_top_p=0.8, data__regen_top_k=20)  # the dflash recipe's
     common = dict(target__path=str(mtp_target_dir), data__feature_cache=str(cache), method__distill_weight=0.0,
                   data__group_by_length=True, **POSTHOC, **rows)

@@ -189,6 +189,12 @@ def _check_same_rows(recipes: list[Recipe], decided: bool = False) -> None:
                                   f"{other.get(differs[0])!r}); one cache holds one set of rows")
 
 
+def _all_rows(method: PostHocMethod) -> dict[str, torch.Tensor]:
+    """A method's training rows, then its held-out ones: {ROW_KEYS: [N, T]} (each split read once)."""
+    train_rows, eval_rows = method.train_data[:], method.eval_data[:]
+    return {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
+
+
 def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
     """Run the target once over the rows the recipes train on and store what each one's method
     reads of them (`draftsmith data cache-hidden`); resumable. Builds each method itself, so
@@ -212,10 +218,9 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
         target = methods[-1].target
     first = methods[0]
     _check_same_rows([m.recipe for m in methods], decided=True)
-    train_rows, eval_rows = first.train_data[:], first.eval_data[:]
-    tokens = {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
+    tokens = _all_rows(first)
     for method in methods[1:]:  # the same settings render the same rows; said, not assumed
-        rows = {k: torch.cat([method.train_data[:][k], method.eval_data[:][k]]) for k in ROW_KEYS}
+        rows = _all_rows(method)
         if len(method.train_data) != len(first.train_data) or any(not torch.equal(rows[k], tokens[k])
                                                                   for k in ROW_KEYS):
             raise DraftsmithError(f"cache-hidden: the {first.recipe.method.name} and {method.recipe.method.name} "
