@@ -21,11 +21,13 @@ Training and eval subprocesses run one at a time under the shared CPU lock.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from bench_ablation import CALIBRATION, MIN_STEPS, Bench, check_steps, run_script
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.eval.combine import read_runs
 from draftsmith.eval.report import setting_name
 from draftsmith.fsutil import atomic_file, read_json, write_json
@@ -85,17 +87,35 @@ def label(method: str, budget: float) -> str:
     return f"{method}_{budget:g}s"
 
 
-def summarize(reports: dict[str, dict], runs: dict[str, dict[float, Path]]) -> dict:
-    """{setting: {"ngram": row, method: [{budget, steps, tau, speedup, acceptance}, ...]}}."""
+def summarize(reports: dict[str, dict], runs: dict[str, dict[float, Path]], train_rows: int) -> dict:
+    """{setting: {"ngram": row, method: [{budget, steps, epochs, validation, tau, speedup,
+    acceptance}, ...]}}; epochs over the cache's `train_rows`."""
     summary = {}
     for setting, report in reports.items():
         rows = {d["name"]: d for d in report["drafters"]}
         block = {"settings": report["settings"], "ngram": _point(rows["ngram"])}
         for method, per_budget in runs.items():
-            block[method] = [{"budget_s": budget, "steps": int(read_yaml(run / "recipe.yaml")["train"]["max_steps"]),
-                              **_point(rows[label(method, budget)])} for budget, run in sorted(per_budget.items())]
+            block[method] = [{"budget_s": budget, **_training(run, train_rows), **_point(rows[label(method, budget)])}
+                             for budget, run in sorted(per_budget.items())]
         summary[setting] = block
     return summary
+
+
+def _training(run: Path, train_rows: int) -> dict:
+    """Steps, epochs, and the step eval loaded (RUN/best when the run kept one: eval reads
+    it first) with that validation's first-draft accuracy and loss (`ce_1`, or EAGLE-3's
+    `loss_1` over its draft vocabulary: the two are not on one scale, accuracy is)."""
+    train = read_yaml(run / "recipe.yaml")["train"]
+    steps = int(train["max_steps"])
+    rows = steps * int(train["batch_size"]) * int(train.get("grad_accum", 1))
+    best = run / "best" / "best.json"
+    evaluated = read_json(best)["step"] if best.is_file() else steps
+    val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+           if "val/acc_1" in r and r["step"] == evaluated]
+    if not val:
+        raise DraftsmithError(f"{run}/metrics.jsonl: no validation logged at step {evaluated} (val/acc_1)")
+    return {"steps": steps, "epochs": rows / train_rows, "eval_step": evaluated, "val_acc_1": val[-1]["val/acc_1"],
+            "val_loss_1": val[-1].get("val/ce_1", val[-1].get("val/loss_1", float("nan")))}
 
 
 def _point(row: dict) -> dict:
@@ -108,13 +128,13 @@ def markdown(summary: dict) -> str:
         n = block["ngram"]
         lines += [f"## {setting}: {setting_name(block['settings'])}", "",
                   f"n-gram lookup (no training): tau {n['tau']:.2f}, speedup {n['speedup']:.2f}x.", "",
-                  "| method | budget s | steps | tau | speedup | accepted 1-4 |",
-                  "| --- | ---: | ---: | ---: | ---: | --- |"]
+                  "| method | budget s | steps | epochs | evaluated step | val acc 1 | val loss 1 | tau | speedup | accepted 1-4 |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
         for method in (m for m in block if m not in ("settings", "ngram")):
             for p in block[method]:
                 accepted = " ".join(f"{a:.2f}" for a in p["acceptance"])
-                lines.append(f"| {method} | {p['budget_s']:g} | {p['steps']} | {p['tau']:.2f} | {p['speedup']:.2f}x "
-                             f"| {accepted} |")
+                lines.append(f"| {method} | {p['budget_s']:g} | {p['steps']} | {p['epochs']:.1f} | {p['eval_step']} | {p['val_acc_1']:.2f} "
+                             f"| {p['val_loss_1']:.2f} | {p['tau']:.2f} | {p['speedup']:.2f}x | {accepted} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -164,7 +184,8 @@ def main(argv=None) -> None:
         Bench("eval", TARGET, out, 0.0).locked([sys.executable, "-m", "draftsmith.cli", "eval", "--target", TARGET,
                                                 "--out", str(out / "eval"), *EVAL_FLAGS, "--seed", str(args.seed),
                                                 "--drafter", "ngram", *drafters], "eval")
-    summary = summarize(read_runs(out / "eval"), runs)
+    train_rows = read_json(features / "manifest.json")["splits"]["train"]
+    summary = summarize(read_runs(out / "eval"), runs, train_rows)
     write_json(out / "budget.json", {"budgets": args.budgets, "calibration_steps": list(CALIBRATION),
                                      "summary": summary})
     text = markdown(summary)

@@ -199,7 +199,14 @@ def test_budget_summary_plots_tau_and_speedup_against_training_seconds(monkeypat
         for budget, gain in ((60.0, 0.0), (180.0, 0.4)):
             run = tmp_path / method / f"{budget:g}s"
             run.mkdir(parents=True)
-            (run / "recipe.yaml").write_text(f"train:\n  max_steps: {int(budget / 2)}\n")
+            (run / "recipe.yaml").write_text(f"train:\n  max_steps: {int(budget / 2)}\n  batch_size: 4\n")
+            val = {"val/acc_1": base - 1, ("val/ce_1" if method == "dflash" else "val/loss_1"): 9 - budget / 60}
+            (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+                {"step": 1, "train/loss": 9.0}, {"step": 1, "val/acc_1": 0.0, "val/ce_1": 0.0},
+                {"step": int(budget / 2), **val})))
+            if budget == 180.0:  # a kept best: eval loads it, so its step's validation is the one reported
+                (run / "best").mkdir()
+                (run / "best" / "best.json").write_text(json.dumps({"step": 1}))
             runs.setdefault(method, {})[budget] = run
             taus[bench.label(method, budget)] = base + gain
     settings = []
@@ -217,14 +224,16 @@ def test_budget_summary_plots_tau_and_speedup_against_training_seconds(monkeypat
     for label, results in settings:
         write_json(tmp_path / "eval" / label / "report.json", results)
     write_index(settings, tmp_path / "eval")
-    summary = bench.summarize(read_runs(tmp_path / "eval"), runs)
+    summary = bench.summarize(read_runs(tmp_path / "eval"), runs, train_rows=15)
     assert summary["t0"]["ngram"]["tau"] == 1.4
-    assert [(p["budget_s"], p["steps"], p["tau"]) for p in summary["t0.7"]["dflash"]] == [
-        (60.0, 30, 1.3), (180.0, 90, pytest.approx(1.7))]
+    assert [(p["budget_s"], p["steps"], p["epochs"], p["tau"]) for p in summary["t0.7"]["dflash"]] == [
+        (60.0, 30, 8.0, 1.3), (180.0, 90, 24.0, pytest.approx(1.7))]
+    assert summary["t0"]["dflash"][0]["val_loss_1"] == 8.0  # the last validation, ce_1 or EAGLE-3's loss_1
+    assert (summary["t0"]["dflash"][1]["eval_step"], summary["t0"]["dflash"][1]["val_loss_1"]) == (1, 0.0)
     tables = md_tables(bench.markdown(summary))
     assert len(tables) == 2 and [r["method"] for r in tables[0]] == ["eagle3", "eagle3", "dflash", "dflash"]
-    assert tables[0][1] == {"method": "eagle3", "budget s": "180", "steps": "90", "tau": "1.60", "speedup": "0.80x",
-                            "accepted 1-4": "0.60 0.10"}
+    assert tables[0][1] == {"method": "eagle3", "budget s": "180", "steps": "90", "epochs": "24.0", "evaluated step": "1",
+                            "val acc 1": "0.00", "val loss 1": "0.00", "tau": "1.60", "speedup": "0.80x", "accepted 1-4": "0.60 0.10"}
     bench.plot(summary, tmp_path)
     for label in ("t0", "t0.7"):
         assert (tmp_path / f"budget_{label}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -33,18 +33,64 @@ V = 5
 TRIALS = 6000
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 7, 1.0), (1.0, 0, 0.8), (1.3, 20, 0.6)])
-def test_process_logits_matches_transformers(temperature, top_k, top_p):
-    logits = torch.randn(6, 50) * 3
+def _transformers_probs(logits, temperature, top_k, top_p):
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p))
-    expected = warpers(None, logits.clone()).softmax(-1)
+    return warpers(None, logits.clone()).softmax(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 7, 1.0), (1.0, 0, 0.8), (1.3, 20, 0.6)])
+def test_process_logits_matches_transformers(temperature, top_k, top_p):
+    logits = torch.randn(6, 50) * 3
     got = process_logits(logits, SamplingParams(temperature, top_k, top_p))
-    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got, _transformers_probs(logits, temperature, top_k, top_p))
     assert (got > 0).sum(-1).min() >= 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 20, 0.8), (1.0, 0, 0.95), (1.0, 5, 1.0), (1.0, 5, 0.9)])
+def test_process_logits_on_a_real_sized_vocabulary_matches_transformers(temperature, top_k, top_p):
+    # A flat tail (nucleus far past 64 tokens: the candidate search grows to the whole
+    # vocabulary) and, in row 1, a tie at the k-th score (every tied token must stay, so
+    # the top-k shortcut is off); row 2 has fewer finite scores than k.
+    logits = torch.randn(3, 49152) * 0.5
+    logits[0, :10] += 8.0
+    logits[1, :7] = torch.tensor([9.0, 8.0, 7.0, 6.0, 4.0, 4.0, 4.0])
+    logits[2, 3:] = float("-inf")
+    got = process_logits(logits, SamplingParams(temperature, top_k, top_p))
+    torch.testing.assert_close(got, _transformers_probs(logits, temperature, top_k, top_p))
+    if top_k == 5:
+        assert int((got[1] > 0).sum()) == 7 if top_p == 1.0 else int((got[1] > 0).sum()) <= 7
+
+
+def test_top_p_reads_only_the_top_tokens_of_a_peaked_distribution():
+    from draftsmith.eval.sampling import _nucleus_candidates
+
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(0)) * 3  # peaked as a language model's: the nucleus is a few hundred tokens
+    scores = logits / 0.9
+    survivors, _ = _nucleus_candidates(scores, 0.8)
+    assert survivors.indices.shape[-1] < 49152 // 4  # stopped early ...
+    got = process_logits(logits, SamplingParams(0.9, 0, 0.8))
+    torch.testing.assert_close(got, _transformers_probs(logits, 0.9, 0, 0.8))  # ... and exact
+    assert int((got > 0).sum(-1).max()) < survivors.indices.shape[-1]
+
+
+def test_sampling_a_broken_distribution_is_refused():
+    for bad in (torch.tensor([[0.5, float("nan"), 0.5]]), torch.zeros(1, 3)):
+        with pytest.raises(DraftsmithError, match="cannot sample"):
+            sample(bad)
+
+
+def test_sample_draws_each_token_at_its_probability_and_never_a_zero_one():
+    probs = torch.zeros(2, 300)
+    probs[0, [3, 150, 299]] = torch.tensor([0.2, 0.5, 0.3])
+    probs[1, 0] = 1.0
+    tokens = sample(probs.expand(TRIALS, 2, 300), torch.Generator().manual_seed(0))
+    assert tokens.shape == (TRIALS, 2)
+    assert set(tokens[:, 1].tolist()) == {0}
+    assert chi2_pvalue(tokens[:, 0].tolist(), probs[0]) > 1e-3  # 0 if a probability-0 token came out
 
 
 def test_bad_sampling_params_are_refused():
