@@ -24,9 +24,7 @@ from draftsmith.eval.report import (
     TAU_NOTE,
     bound,
     check_report_dest,
-    plot_acceptance,
-    plot_speedup,
-    plot_tau,
+    plot_setting,
     setting_label,
     setting_name,
     target_label,
@@ -121,9 +119,7 @@ def combine_reports(report_dirs: list[str | Path], out_dir: str | Path) -> Path:
         for label, results in merged.items():
             (tmp / label).mkdir()
             write_json(tmp / label / "report.json", results)
-            plot_tau(results["drafters"], tmp / label / "tau.png")
-            plot_acceptance(results["drafters"], tmp / label / "acceptance.png")
-            plot_speedup(results["drafters"], [r["bound"] for r in results["drafters"]], tmp / label / "speedup.png")
+            plot_setting(results["drafters"], [r["bound"] for r in results["drafters"]], tmp / label)
         write_json(tmp / "report.json", {"runs": {label: f"{label}/report.json" for label in merged},
                                          "reports": [str(folder) for folder, _ in reports]})
         (tmp / "report.md").write_text(_markdown(merged, [folder for folder, _ in reports], out_dir), encoding="utf-8")

@@ -141,6 +141,13 @@ def check_report_dest(out_dir: str | Path) -> None:
     check_replaceable(out_dir, "report.json", "report")
 
 
+def plot_setting(drafters: list[dict], bounds: list[float], folder: Path) -> None:
+    """One setting's acceptance, tau and speedup (beside its bound) plots into `folder`."""
+    _plot_acceptance(drafters, folder / "acceptance.png")
+    _plot_tau(drafters, folder / "tau.png")
+    _plot_speedup(drafters, bounds, folder / "speedup.png")
+
+
 def write_report(results: dict, out_dir: str | Path) -> Path:
     """Write report.json, report.md and the plots into `out_dir`, all or nothing."""
     _check(results)
@@ -148,10 +155,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / "report.json", results)
         (tmp / "report.md").write_text(_markdown(results), encoding="utf-8")
-        plot_acceptance(results["drafters"], tmp / "acceptance.png")
-        plot_tau(results["drafters"], tmp / "tau.png")
-        bounds = [bound(d, results["baseline"]) for d in results["drafters"]]
-        plot_speedup(results["drafters"], bounds, tmp / "speedup.png")
+        plot_setting(results["drafters"], [bound(d, results["baseline"]) for d in results["drafters"]], tmp)
         _plot_accepted_lengths(results["drafters"], tmp / "accepted_lengths.png")
         if any("num_draft_auto" in d for d in results["drafters"]):
             _plot_num_draft(results["drafters"], tmp / AUTO_PLOT)
@@ -332,7 +336,7 @@ def _name_ticks(ax, drafters: list[dict]) -> None:
     ax.set_xticks(range(len(drafters)), [d["name"] for d in drafters], rotation=20, ha="right")
 
 
-def plot_acceptance(drafters: list[dict], path: Path) -> None:
+def _plot_acceptance(drafters: list[dict], path: Path) -> None:
     fig, ax = _figure(integer_x=True)
     for d in drafters:
         ax.plot(range(1, d["num_draft"] + 1), d["per_position_acceptance"], marker="o", label=d["name"])
@@ -341,7 +345,7 @@ def plot_acceptance(drafters: list[dict], path: Path) -> None:
     _save(fig, path, PLOTS[path.name])
 
 
-def plot_tau(drafters: list[dict], path: Path) -> None:
+def _plot_tau(drafters: list[dict], path: Path) -> None:
     fig, ax = _figure()
     bars = ax.bar(range(len(drafters)), [d["tau"] for d in drafters])
     ax.bar_label(bars, fmt="%.2f")
@@ -352,7 +356,7 @@ def plot_tau(drafters: list[dict], path: Path) -> None:
     _save(fig, path, PLOTS[path.name])
 
 
-def plot_speedup(drafters: list[dict], bounds: list[float], path: Path, width: float = 0.4) -> None:
+def _plot_speedup(drafters: list[dict], bounds: list[float], path: Path, width: float = 0.4) -> None:
     fig, ax = _figure()
     x = range(len(drafters))
     measured = ax.bar([i - width / 2 for i in x], [d["speedup"] for d in drafters], width, label="measured")

@@ -31,6 +31,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.combine import read_runs
 from draftsmith.eval.report import setting_name
 from draftsmith.fsutil import atomic_file, read_json, write_json
+from draftsmith.models.run_weights import BEST, BEST_RECORD
 from draftsmith.recipe import read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,12 +91,13 @@ def label(method: str, budget: float) -> str:
 def summarize(reports: dict[str, dict], runs: dict[str, dict[float, Path]], train_rows: int) -> dict:
     """{setting: {"ngram": row, method: [{budget, steps, epochs, validation, tau, speedup,
     acceptance}, ...]}}; epochs over the cache's `train_rows`."""
+    trained = {run: _training(run, train_rows) for per_budget in runs.values() for run in per_budget.values()}
     summary = {}
     for setting, report in reports.items():
         rows = {d["name"]: d for d in report["drafters"]}
         block = {"settings": report["settings"], "ngram": _point(rows["ngram"])}
         for method, per_budget in runs.items():
-            block[method] = [{"budget_s": budget, **_training(run, train_rows), **_point(rows[label(method, budget)])}
+            block[method] = [{"budget_s": budget, **trained[run], **_point(rows[label(method, budget)])}
                              for budget, run in sorted(per_budget.items())]
         summary[setting] = block
     return summary
@@ -108,7 +110,7 @@ def _training(run: Path, train_rows: int) -> dict:
     train = read_yaml(run / "recipe.yaml")["train"]
     steps = int(train["max_steps"])
     rows = steps * int(train["batch_size"]) * int(train.get("grad_accum", 1))
-    best = run / "best" / "best.json"
+    best = run / BEST / BEST_RECORD
     evaluated = read_json(best)["step"] if best.is_file() else steps
     val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
            if "val/acc_1" in r and r["step"] == evaluated]

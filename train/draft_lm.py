@@ -71,12 +71,12 @@ class DraftLMTraining(TrainMethod):
         ids = batch["input_ids"]
         logits = model(input_ids=ids).logits[:, :-1]
         # A feature cache's rows (conversations) train on the answers alone, as the post-hoc drafters do.
-        cached = self.recipe.data.feature_cache
-        mask = batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:] if cached else None
         lm = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
         hit = (logits.argmax(-1) == ids[:, 1:]).float().flatten()
-        weights = torch.ones_like(lm) if mask is None else mask.flatten().float()
-        lm, acc = (lm * weights).sum() / weights.sum().clamp(min=1), (hit * weights).sum() / weights.sum().clamp(min=1)
+        weights = ((batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).flatten().float()
+                   if self.recipe.data.feature_cache else torch.ones_like(lm))
+        counted = weights.sum().clamp(min=1)
+        lm, acc = (lm * weights).sum() / counted, (hit * weights).sum() / counted
         metrics = {"loss_main": lm.item(), "acc_main": acc.item()}
         total = lm
         if self.target is not None:
