@@ -4,8 +4,8 @@ scripts/demo.sh evaluates, tau and speedup plotted against training seconds, one
 method (n-gram lookup, untrained, as a level line).
 
 Every run trains from one feature cache of the demo's rows (the target's answers to
-`stdlib-instructions`, one pass of the target for all three methods), built first and
-outside any budget. Seconds become steps as in scripts/bench_ablation.py: per method, two
+`stdlib-instructions`, one pass of the target for the asked methods; `--conversations` for
+more answers than the demo's 80), built first and outside any budget. Seconds become steps as in scripts/bench_ablation.py: per method, two
 short runs give its seconds per optimizer step net of start-up; each budget then trains its
 own run of round(B / s) steps, warm-up and schedule as the recipe says (what a user with
 that budget gets, not a checkpoint along a longer run). Then one `draftsmith eval` of every
@@ -15,6 +15,8 @@ Training and eval subprocesses run one at a time under the shared CPU lock.
     python scripts/bench_budget.py                          # 300, 900 and 2700 s: 5, 15, 45 minutes of 2 cores
     python scripts/bench_budget.py --budgets 60 180 --methods dflash eagle3 --out runs/bench_budget_small
     python scripts/bench_budget.py --features runs/demo/features   # the demo's cache (same rows, same seed)
+    python scripts/bench_budget.py --methods dflash --budgets 360 --conversations 320 --out runs/bench_rows
+                                                            # four times the demo's rows, same seconds
     python scripts/bench_budget.py --summarize-only
 """
 
@@ -26,46 +28,64 @@ import sys
 from pathlib import Path
 
 from bench_ablation import CALIBRATION, MIN_STEPS, Bench, check_steps, run_script
+from bench_demo import run_schedule
 
+from draftsmith.data.feature_cache import FeatureCache
+from draftsmith.data.posthoc_rows import rows_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.combine import read_runs
 from draftsmith.eval.report import setting_name
 from draftsmith.fsutil import atomic_file, read_json, write_json
-from draftsmith.models.run_weights import BEST, BEST_RECORD
-from draftsmith.recipe import read_yaml
+from draftsmith.recipe import load_recipe, read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ROOT / "recipes" / "smollm2_135m"
 TARGET = "smollm2-135m-instruct"
 METHODS = ("eagle3", "dflash", "dspark")
 # scripts/demo.sh's rows and evaluation (tests/test_bench_scripts.py holds them to it)
-DEMO_ROWS = ("data.num_conversations=80", "train.seq_len=384")
+DEMO_CONVERSATIONS = 80
+
+
+def demo_rows(conversations: int = DEMO_CONVERSATIONS) -> tuple[str, ...]:
+    return (f"data.num_conversations={conversations}", "train.seq_len=384")
+
+
+DEMO_ROWS = demo_rows()
 EVAL_FLAGS = ["--dataset", "stdlib-instructions", "--num-prompts", "7", "--max-new-tokens", "40", "--num-draft", "7",
               "--temperature", "0", "--temperature", "0.7", "--top-p", "0.8", "--top-k", "20"]
 
 
 class BudgetBench(Bench):
     """bench_ablation's Bench (the CPU lock, logs, calibration) on a real-target recipe,
-    every run reading one feature cache; `seconds` is the largest budget (calibration's
-    printed step count)."""
+    every run reading one feature cache of `conversations` of the target's answers;
+    `seconds` is the largest budget (calibration's printed step count)."""
 
-    def __init__(self, method: str, out: Path, features: Path, seed: int, seconds: float):
+    def __init__(self, method: str, out: Path, features: Path, seed: int, seconds: float,
+                 conversations: int = DEMO_CONVERSATIONS):
         super().__init__(method, TARGET, out, seconds)
-        self.features, self.seed = features, seed
-        self.recipe, self.extra = REAL / f"{method}.yaml", (*DEMO_ROWS, f"data.feature_cache={features}")
+        self.features, self.seed, self.conversations = features, seed, conversations
+        self.rows = demo_rows(conversations)
+        self.recipe, self.extra = REAL / f"{method}.yaml", (*self.rows, f"data.feature_cache={features}")
 
     def scratch_train(self, overrides, seed: int, steps: int, log_name: str) -> float:
         # Calibration trains at seed 0; the cache's rows are this bench's seed's (train.seed keys them).
         return super().scratch_train(overrides, self.seed, steps, log_name)
 
     def cache(self, methods) -> None:
-        """The feature cache of every method's rows, unless it is there and complete."""
+        """The feature cache of `methods` over the bench's rows, unless it is there and complete;
+        a complete one made for other methods or another number of answers is refused."""
         manifest = self.features / "manifest.json"
         if manifest.is_file() and read_json(manifest).get("complete"):
+            cache = FeatureCache(self.features)  # the rows check a training run makes, before any run
+            cache.expect(rows_settings(load_recipe(self.recipe, [*self.extra, f"train.seed={self.seed}"])), "rows")
+            missing = [m for m in methods if m not in cache.manifest["methods"]]
+            if missing:
+                raise DraftsmithError(f"feature cache {self.features} holds {', '.join(cache.manifest['methods'])}; "
+                                      f"this bench needs {', '.join(missing)} too: give another --features (or --out)")
             return
         recipes = [a for m in methods for a in ("--recipe", str(REAL / f"{m}.yaml"))]
         print(f"== feature cache into {self.features} (the target's answers first)", flush=True)
-        self.locked([sys.executable, "-m", "draftsmith.cli", "data", "cache-hidden", *recipes, *DEMO_ROWS,
+        self.locked([sys.executable, "-m", "draftsmith.cli", "data", "cache-hidden", *recipes, *self.rows,
                      f"train.seed={self.seed}", "--out", str(self.features)], "cache_hidden")
 
     def budget_runs(self, budgets: list[float]) -> dict[float, Path]:
@@ -77,6 +97,12 @@ class BudgetBench(Bench):
             run = self.out / f"{budget:g}s"
             if (run / "model").exists():
                 check_steps(run, steps)
+                trained = read_yaml(run / "recipe.yaml")
+                if (trained["data"].get("feature_cache"), trained["data"]["num_conversations"],
+                        trained["train"]["seed"]) != (str(self.features), self.conversations, self.seed):
+                    raise DraftsmithError(f"{run} was trained from other rows than this bench's ({self.features}, "
+                                          f"{self.conversations} conversations, seed {self.seed}): remove it (or use "
+                                          "another --out) to train it again")
             else:
                 print(f"== {self.kind} {budget:g} s: {steps} steps", flush=True)
                 self.train((), run, self.seed, steps, f"train_{budget:g}s")
@@ -107,16 +133,13 @@ def _training(run: Path, train_rows: int) -> dict:
     """Steps, epochs, and the step eval loaded (RUN/best when the run kept one: eval reads
     it first) with that validation's first-draft accuracy and loss (`ce_1`, or EAGLE-3's
     `loss_1` over its draft vocabulary: the two are not on one scale, accuracy is)."""
-    train = read_yaml(run / "recipe.yaml")["train"]
-    steps = int(train["max_steps"])
-    rows = steps * int(train["batch_size"]) * int(train.get("grad_accum", 1))
-    best = run / BEST / BEST_RECORD
-    evaluated = read_json(best)["step"] if best.is_file() else steps
+    schedule = run_schedule(run)
+    steps, evaluated = schedule["trained_steps"], schedule["eval_step"]
     val = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
            if "val/acc_1" in r and r["step"] == evaluated]
     if not val:
         raise DraftsmithError(f"{run}/metrics.jsonl: no validation logged at step {evaluated} (val/acc_1)")
-    return {"steps": steps, "epochs": rows / train_rows, "eval_step": evaluated, "val_acc_1": val[-1]["val/acc_1"],
+    return {"steps": steps, "epochs": steps * schedule["batch"] / train_rows, "eval_step": evaluated, "val_acc_1": val[-1]["val/acc_1"],
             "val_loss_1": val[-1].get("val/ce_1", val[-1].get("val/loss_1", float("nan")))}
 
 
@@ -169,17 +192,20 @@ def main(argv=None) -> None:
                         help="training seconds per run (default 300 900 2700)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--conversations", type=int, default=DEMO_CONVERSATIONS,
+                        help="the target's answers to train on (data.num_conversations; default the demo's 80)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_budget")
     parser.add_argument("--features", type=Path, help="the feature cache (default OUT/features, built if absent)")
     parser.add_argument("--summarize-only", action="store_true", help="read finished runs and their eval; run nothing")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     features = (args.features or out / "features").resolve()
-    benches = {m: BudgetBench(m, out / m, features, args.seed, max(args.budgets)) for m in args.methods}
+    benches = {m: BudgetBench(m, out / m, features, args.seed, max(args.budgets), args.conversations)
+               for m in args.methods}
     if args.summarize_only:
         runs = {m: {b: out / m / f"{b:g}s" for b in args.budgets} for m in args.methods}
     else:
-        next(iter(benches.values())).cache(METHODS)  # every method's features: one cache serves any --methods
+        next(iter(benches.values())).cache(args.methods)  # the asked methods' features (DSpark's logits are most of a cache)
         runs = {m: bench.budget_runs(args.budgets) for m, bench in benches.items()}
         drafters = [a for m, per in runs.items() for b, run in per.items()
                     for a in ("--drafter", f"{label(m, b)}={m}:{run}")]

@@ -257,3 +257,61 @@ def test_bench_budget_trains_and_evaluates_as_the_demo_does(monkeypatch):
     pairs = sorted(zip(words[::2], words[1::2]))  # the demo's eval: --flag value pairs
     mine = [p for p in pairs if p[0] not in ("--target", "--seed", "--out", "--drafter")]
     assert mine == sorted(zip(bench.EVAL_FLAGS[::2], bench.EVAL_FLAGS[1::2]))
+
+
+def test_bench_budget_conversations_reach_the_cache_and_every_run(monkeypatch, tmp_path):
+    """`--conversations N` trains on N of the target's answers: the cache it builds holds N
+    rows of the asked methods only, and every run reads that cache at N."""
+    bench = bench_script(monkeypatch, "bench_budget")
+    commands = []
+    monkeypatch.setattr(bench.Bench, "locked", lambda self, args, log_name: commands.append(args) or 1.0)
+    monkeypatch.setattr(bench.BudgetBench, "calibrate", lambda self, rows: {"base": {"sec_per_step": 2.0}})
+    monkeypatch.setattr(bench, "read_json", lambda path: (_ for _ in ()).throw(SystemExit("stop after eval")))
+    with pytest.raises(SystemExit, match="stop after eval"):
+        bench.main(["--methods", "dflash", "--budgets", "60", "--conversations", "320", "--out", str(tmp_path)])
+    cache, train, evaluate = commands
+    assert evaluate[evaluate.index("--drafter", evaluate.index("ngram")) + 1] == f"dflash_60s=dflash:{tmp_path / 'dflash' / '60s'}"
+    assert "data.num_conversations=320" in cache and "data.num_conversations=80" not in cache
+    assert [a for a in cache if a.endswith(".yaml")] == [str(bench.REAL / "dflash.yaml")]
+    assert "data.num_conversations=320" in train and f"data.feature_cache={tmp_path / 'features'}" in train
+    assert "train.max_steps=30" in train
+
+
+def test_bench_budget_reuses_only_a_cache_and_runs_of_its_own_rows(monkeypatch, tmp_path):
+    """A complete cache of the bench's rows holding the asked methods is read as it is; one of
+    other answers or without a method, or a run trained from other rows, is refused in one
+    line before anything trains."""
+    from draftsmith.data.feature_cache import FeatureCache
+    from draftsmith.data.posthoc_rows import rows_settings
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.fsutil import read_json, write_json
+
+    bench = bench_script(monkeypatch, "bench_budget")
+    commands = []
+    monkeypatch.setattr(bench.Bench, "locked", lambda self, args, log_name: commands.append(args[3]) or 1.0)
+    monkeypatch.setattr(bench.BudgetBench, "calibrate", lambda self, rows: {"base": {"sec_per_step": 2.0}})
+    monkeypatch.setattr(bench, "read_runs", lambda folder: (_ for _ in ()).throw(SystemExit("stop after eval")))
+
+    def manifest_only(path):  # the real checks over a manifest, without writing 3 GB of features
+        cache = FeatureCache.__new__(FeatureCache)
+        cache.path, cache.manifest = path, read_json(path / "manifest.json")
+        return cache
+
+    monkeypatch.setattr(bench, "FeatureCache", manifest_only)
+    demo = bench.load_recipe(bench.REAL / "dflash.yaml", [*bench.DEMO_ROWS, "train.seed=0"])
+    write_json(tmp_path / "features" / "manifest.json", {"complete": True, "methods": {"dflash": {}, "eagle3": {}},
+                                                         "rows": rows_settings(demo), "splits": {"train": 76}})
+    with pytest.raises(SystemExit, match="stop after eval"):  # the demo's cache: read as it is, nothing rebuilt
+        bench.main(["--methods", "eagle3", "--budgets", "60", "--out", str(tmp_path)])
+    assert commands == ["train", "eval"]
+    for argv, refusal in ((["--conversations", "320"], "holds data.num_conversations=80; this run needs "
+                                                        "data.num_conversations=320"),
+                          (["--methods", "dspark"], "holds dflash, eagle3; this bench needs dspark too")):
+        with pytest.raises(DraftsmithError, match=refusal):
+            bench.main(["--budgets", "60", "--out", str(tmp_path), *argv])
+    trained = tmp_path / "dflash" / "60s"  # a run of the same steps from another seed's rows
+    (trained / "model").mkdir(parents=True)
+    (trained / "recipe.yaml").write_text(f"data:\n  feature_cache: {tmp_path / 'features'}\n  num_conversations: 80\n"
+                                         "train:\n  max_steps: 30\n  seed: 1\n")
+    with pytest.raises(DraftsmithError, match="trained from other rows than this bench's"):
+        bench.main(["--methods", "dflash", "--budgets", "60", "--out", str(tmp_path)])

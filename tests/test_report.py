@@ -170,12 +170,85 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
     assert summary["t0"]["distinct_4gram"]["median"] == pytest.approx(0.6)
     text = bench.markdown(summary, {0: 600.0, 1: 700.0, 2: 650.0})
     assert "## t0.7: temperature 0.7, top-p 0.8, top-k 20" in text
-    assert "| eagle3 | 3.00 | 2.00 to 4.00 | 2.00 4.00 3.00 | 1.50 | 1.00 to 2.00 | 1.00 2.00 1.50 |" in text
+    # eagle3's passes per seed accepted 0..3 drafts 5, 10, 15, 20 times: 1 + 2 on average (spread 1)
+    assert summary["t0"]["pooled"]["eagle3"] == pytest.approx({"tau": 3.0, "se": (150 / 149 / 150) ** 0.5,
+                                                               "passes": 150})
+    assert ("| eagle3 | 3 | 3.00 | 2.00 to 4.00 | 2.00 4.00 3.00 | 3.000 ± 0.082 | 1.50 | 1.00 to 2.00 "
+            "| 1.00 2.00 1.50 |") in text
     assert "Prompts whose plain text loops, per seed: 0 1 2." in text
     assert "median 650 s" in text
     del per_seed[2]["t0"]["drafters"][0]  # a drafter missing from one seed is an error, not a gap
     with pytest.raises(ValueError, match="eagle3 is missing"):
         bench.summarize(per_seed)
+
+
+def test_bench_demo_reports_each_runs_training_budget(results, tmp_path, monkeypatch):
+    """The budget table: per trained run (rows sharing one share it) the steps eval loaded
+    of those trained, rows and epochs over the feature cache's training split, its answer
+    tokens (a pretraining run: every packed position), its demo stage's seconds over seeds
+    (untimed where no run logged them); the shared stage once; n-gram nothing."""
+    import importlib.util
+    import os
+
+    import torch
+    import yaml
+    from safetensors.torch import save_file
+
+    from draftsmith.fsutil import write_json
+    from tiny_runs import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_demo", ROOT / "scripts" / "bench_demo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cache = tmp_path / "features"
+    cache.mkdir()
+    loss_mask = torch.zeros(5, 8, dtype=torch.int64)
+    loss_mask[0, :3] = loss_mask[1, :5] = loss_mask[2, :4] = 1  # 12 answer tokens over 3 training rows
+    loss_mask[3:] = 1  # validation rows: not counted
+    rows = {"input_ids": torch.zeros(5, 8, dtype=torch.int64), "loss_mask": loss_mask}
+    save_file(rows, str(cache / "rows.safetensors"))
+    save_file({"dflash.hidden": torch.zeros(5, 8, 2)}, str(cache / "shard-0.safetensors"))
+    write_json(cache / "manifest.json", {"format": "draftsmith-feature-cache/2", "complete": True, "num_rows": 5,
+                                         "shards": [{"file": "shard-0.safetensors", "rows": [0, 5]}],
+                                         "rows_file": "rows.safetensors", "splits": {"train": 3, "eval": 2}})
+    relative = os.path.relpath(tmp_path, ROOT)  # as demo.sh writes them: from the repository root
+    for name, data, train in (
+            ("dflash", {"feature_cache": f"{relative}/features"}, {"max_steps": 6, "batch_size": 2}),
+            ("mtp", {}, {"max_steps": 10, "batch_size": 4, "grad_accum": 2, "seq_len": 16})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "recipe.yaml").write_text(yaml.safe_dump({"data": data, "train": {"seq_len": 8, **train}}))
+    (tmp_path / "dflash" / "best").mkdir()  # eval loads the best weights: they saw 4 steps of the 6 trained
+    write_json(tmp_path / "dflash" / "best" / "best.json", {"step": 4})
+    per_seed = {}
+    for seed, seconds in enumerate((100, 140)):
+        (tmp_path / f"seed{seed}").mkdir()
+        (tmp_path / f"seed{seed}" / "demo.log").write_text(
+            f"== features: draftsmith data cache-hidden ...\nsome output\n== features: {300 + seed} s\n"
+            f"== dflash: draftsmith train ...\n== dflash: {seconds} s\n== mtp: reusing runs/x/mtp\n")
+        run = copy.deepcopy(results)
+        run["drafters"][0].update(name="ngram", drafter="ngram")
+        run["drafters"][1].update(name="fast", drafter=f"fast=dflash:{relative}/dflash")
+        run["drafters"] += [{**run["drafters"][1], "name": "fast_tree", "drafter": f"fast_tree=dflash:{relative}/dflash"},
+                            {**run["drafters"][1], "name": "mtp", "drafter": f"mtp:{tmp_path / 'mtp'}"}]
+        per_seed[seed] = {"t0": run}
+    monkeypatch.chdir(tmp_path / "seed0")  # paths resolve from the repository root, not from where it runs
+    budget = bench.budgets(per_seed, tmp_path)
+    runs = {entry["name"]: entry for entry in budget["runs"].values()}
+    assert list(runs) == ["dflash", "mtp"]
+    dflash = runs["dflash"]
+    assert (dflash["drafters"], dflash["trained_steps"], dflash["batch"]) == (["fast", "fast_tree"], [6], 2)
+    assert (dflash["eval_step"]["median"], dflash["rows_seen"]["median"], dflash["train_rows"]["median"]) == (4, 8, 3)
+    assert dflash["epochs"]["median"] == pytest.approx(8 / 3)
+    assert dflash["tokens_seen"]["median"] == pytest.approx(8 * 12 / 3)
+    assert (dflash["seconds"]["median"], dflash["seconds"]["min"], dflash["seconds"]["max"]) == (120, 100, 140)
+    mtp = runs["mtp"]
+    assert mtp["rows_seen"]["median"] == 80 and mtp["tokens_seen"]["median"] == 80 * 16
+    assert mtp["train_rows"] is None and mtp["seconds"] is None  # never timed (reused): untimed, not an error
+    assert budget["shared_seconds"]["median"] == pytest.approx(300.5)
+    text = bench.budget_markdown(budget)
+    assert "| fast, fast_tree | dflash | - | 4 / 6 x 2 | 8 | 3 | 2.7 | 32 | 120 | 100 to 140 |" in text
+    assert "| mtp | mtp | - | 10 / 10 x 8 | 80 | - | - | 1280 | reused, untimed | - |" in text
+    assert "median 300 s (range 300 to 301 s)" in text and "speculators/issues/1135" in text
 
 
 def _eval_folder(results, folder, temperatures, **baseline):
