@@ -2,9 +2,11 @@
 
 Each seed runs `scripts/demo.sh` whole (target pretraining, every drafter, the report) in
 its own folder and derived-data cache, one after another (two jobs on a 2-core machine run
-ten times slower, not two). Then, per decoding setting and drafter, tau's median and range
-over the seeds, the seeds' own values, and the wall time of each run. The README's demo
-table quotes this output.
+ten times slower, not two). Then, per decoding setting and drafter: D, tau's median and
+range over the seeds with the seeds' own values, tau pooled over every seed's verify
+passes with its standard error, and the speedup's median and range; the wall time of each
+run; each trained run's budget (steps, rows, epochs, tokens, its stage's seconds); and
+published small-target figures, for calibration only. The README's demo table quotes it.
 
     python scripts/bench_demo.py                     # seeds 0 1 2, into runs/bench_demo
     python scripts/bench_demo.py --seeds 0 1 2 3 --out runs/bench_demo
@@ -46,7 +48,7 @@ PUBLISHED = (
 
 
 def run_seed(seed: int, out: Path, overrides: str) -> float:
-    """One demo run into out/seed<seed>; its wall time in seconds (0 when reused whole)."""
+    """One demo run into out/seed<seed>; its wall time in seconds (the recorded one when reused whole)."""
     runs = out / f"seed{seed}"
     if (runs / "report" / "report.json").is_file():
         print(f"== seed {seed}: reusing {runs}", flush=True)
@@ -159,7 +161,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
         no_loop: dict[str, dict[int, float]] = {}  # prompts whose plain text does not loop
         speedup: dict[str, dict[int, float]] = {}
         num_draft: dict[str, set[int]] = {}  # D per drafter (one value unless eval chose it per seed)
-        hists: dict[str, list[list[int]]] = {}  # accepted drafts per verify pass, per seed
+        hists: dict[str, list[dict]] = {}  # each seed's row: its committed tokens and accepted drafts per pass
         distinct, looping = {}, {}
         for seed, reports in sorted(per_seed.items()):
             if label not in reports:
@@ -171,7 +173,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
                 taus.setdefault(row["name"], {})[seed] = row["tau"]
                 speedup.setdefault(row["name"], {})[seed] = row["speedup"]
                 num_draft.setdefault(row["name"], set()).add(row["num_draft"])
-                hists.setdefault(row["name"], []).append(row["accepted_length_hist"])
+                hists.setdefault(row["name"], []).append(row)
                 if row.get("tau_no_loop") is not None:
                     no_loop.setdefault(row["name"], {})[seed] = row["tau_no_loop"]
         for name, values in taus.items():
@@ -190,15 +192,17 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
     return summary
 
 
-def pooled(hists: list[list[int]]) -> dict:
-    """tau over every verify pass of every seed (1 + the mean accepted drafts) with its
-    standard error, the passes' spread over sqrt(passes): whether two rows differ by more
-    than their noise. Passes of one text are not independent, so it is a lower bound."""
+def pooled(rows: list[dict]) -> dict:
+    """tau over every verify pass of every seed (committed tokens over passes, as each report
+    counts it) with its standard error, the spread of accepted drafts per pass over
+    sqrt(passes): whether two rows differ by more than their noise. Passes of one text are
+    not independent, so the error is a lower bound."""
+    hists = [row["accepted_length_hist"] for row in rows]
     counts = [sum(h[i] for h in hists if i < len(h)) for i in range(max(map(len, hists)))]
     n = sum(counts)
     mean = sum(i * c for i, c in enumerate(counts)) / n
     variance = sum(c * (i - mean) ** 2 for i, c in enumerate(counts)) / max(n - 1, 1)
-    return {"tau": 1 + mean, "se": math.sqrt(variance / n), "passes": n}
+    return {"tau": sum(row["committed_tokens"] for row in rows) / n, "se": math.sqrt(variance / n), "passes": n}
 
 
 def _spread(values: dict[int, float]) -> dict:

@@ -315,3 +315,8 @@ def test_bench_budget_reuses_only_a_cache_and_runs_of_its_own_rows(monkeypatch, 
                                          "train:\n  max_steps: 30\n  seed: 1\n")
     with pytest.raises(DraftsmithError, match="trained from other rows than this bench's"):
         bench.main(["--methods", "dflash", "--budgets", "60", "--out", str(tmp_path)])
+    (trained / "recipe.yaml").write_text((trained / "recipe.yaml").read_text().replace("seed: 1", "seed: 0"))
+    commands.clear()
+    with pytest.raises(SystemExit, match="stop after eval"):  # the same rows: reused, not trained again
+        bench.main(["--methods", "dflash", "--budgets", "60", "--out", str(tmp_path)])
+    assert commands == ["eval"]

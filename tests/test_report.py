@@ -154,6 +154,7 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
             run["baseline"].update(distinct_4gram=0.5 + seed / 10, looping_prompts=seed)
             for row, tau in zip(run["drafters"], taus):
                 row["tau"] = tau + temperature
+                row["committed_tokens"] = round(row["tau"] * row["verify_passes"])
                 row["tau_no_loop"] = tau / 2
                 row["bound"] = speedup_bound(row["tau"], 25.0, row["T_draft_ms"], row["T_verify_ms"])
             runs.append((f"t{temperature:g}", run))
@@ -170,9 +171,11 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
     assert summary["t0"]["distinct_4gram"]["median"] == pytest.approx(0.6)
     text = bench.markdown(summary, {0: 600.0, 1: 700.0, 2: 650.0})
     assert "## t0.7: temperature 0.7, top-p 0.8, top-k 20" in text
-    # eagle3's passes per seed accepted 0..3 drafts 5, 10, 15, 20 times: 1 + 2 on average (spread 1)
+    # eagle3 committed 2, 4 and 3 tokens a pass over 50 passes a seed; the passes accepted 0..3
+    # drafts 5, 10, 15 and 20 times (spread 1, the standard error's)
     assert summary["t0"]["pooled"]["eagle3"] == pytest.approx({"tau": 3.0, "se": (150 / 149 / 150) ** 0.5,
                                                                "passes": 150})
+    assert summary["t0.7"]["pooled"]["eagle3"]["tau"] == pytest.approx(3.7)  # committed over passes, as tau is
     assert ("| eagle3 | 3 | 3.00 | 2.00 to 4.00 | 2.00 4.00 3.00 | 3.000 ± 0.082 | 1.50 | 1.00 to 2.00 "
             "| 1.00 2.00 1.50 |") in text
     assert "Prompts whose plain text loops, per seed: 0 1 2." in text
