@@ -16,7 +16,6 @@ published small-target figures, for calibration only. The README's demo table qu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -31,7 +30,7 @@ from safetensors import safe_open
 from draftsmith.eval.combine import read_runs
 from draftsmith.eval.proposers import split_label
 from draftsmith.eval.report import setting_name
-from draftsmith.fsutil import read_json
+from draftsmith.fsutil import atomic_file, read_json, write_json
 from draftsmith.models.run_weights import BEST, BEST_RECORD
 from draftsmith.recipe import read_yaml
 
@@ -83,10 +82,11 @@ def stage_seconds(runs: Path) -> dict[str, float]:
     return {name: float(seconds) for name, seconds in STAGE_LINE.findall(text)}
 
 
-def run_schedule(run: Path) -> dict:
+def run_schedule(run: Path, recipe: dict | None = None) -> dict:
     """A run's optimizer steps, rows per step (batch x accumulation), and the step of the
-    weights eval loaded: RUN/best when the run kept one (eval reads it first), else the last."""
-    train = read_yaml(run / "recipe.yaml")["train"]
+    weights eval loaded: RUN/best when the run kept one (eval reads it first), else the last.
+    `recipe`: the run's recipe.yaml when the caller has read it already."""
+    train = (recipe or read_yaml(run / "recipe.yaml"))["train"]
     trained = int(train["max_steps"])
     best = run / BEST / BEST_RECORD
     return {"trained_steps": trained, "eval_step": read_json(best)["step"] if best.is_file() else trained,
@@ -100,7 +100,7 @@ def run_budget(run: Path) -> dict:
     per row times the rows seen; a pretraining run packs its rows full, so every position
     of every row seen is a token. `builds_on`: the run a frozen backbone came from."""
     recipe = read_yaml(run / "recipe.yaml")
-    schedule = run_schedule(run)
+    schedule = run_schedule(run, recipe)
     rows = schedule["eval_step"] * schedule["batch"]
     backbone = recipe.get("method", {}).get("backbone")
     budget = {**schedule, "rows_seen": rows, "train_rows": None, "epochs": None,
@@ -138,7 +138,8 @@ def budgets(per_seed: dict[int, dict[str, dict]], out: Path) -> dict:
             entry = runs.setdefault(key, {"name": run.name, "drafters": [], "per_seed": {}})
             if row["name"] not in entry["drafters"]:
                 entry["drafters"].append(row["name"])
-            entry["per_seed"][seed] = {**run_budget(run), "seconds": seconds.get(run.name)}
+            if seed not in entry["per_seed"]:  # rows sharing a run read it once
+                entry["per_seed"][seed] = {**run_budget(run), "seconds": seconds.get(run.name)}
     for entry in runs.values():
         seeds = entry.pop("per_seed")
         first = next(iter(seeds.values()))
@@ -161,7 +162,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
         no_loop: dict[str, dict[int, float]] = {}  # prompts whose plain text does not loop
         speedup: dict[str, dict[int, float]] = {}
         num_draft: dict[str, set[int]] = {}  # D per drafter (one value unless eval chose it per seed)
-        hists: dict[str, list[dict]] = {}  # each seed's row: its committed tokens and accepted drafts per pass
+        seed_rows: dict[str, list[dict]] = {}  # each seed's row: its committed tokens and accepted drafts per pass
         distinct, looping = {}, {}
         for seed, reports in sorted(per_seed.items()):
             if label not in reports:
@@ -173,7 +174,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
                 taus.setdefault(row["name"], {})[seed] = row["tau"]
                 speedup.setdefault(row["name"], {})[seed] = row["speedup"]
                 num_draft.setdefault(row["name"], set()).add(row["num_draft"])
-                hists.setdefault(row["name"], []).append(row)
+                seed_rows.setdefault(row["name"], []).append(row)
                 if row.get("tau_no_loop") is not None:
                     no_loop.setdefault(row["name"], {})[seed] = row["tau_no_loop"]
         for name, values in taus.items():
@@ -187,7 +188,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
             "drafters_no_loop": {name: _spread(values) for name, values in no_loop.items()},
             "speedup": {name: _spread(values) for name, values in speedup.items()},
             "num_draft": {name: sorted(values) for name, values in num_draft.items()},
-            "pooled": {name: pooled(h) for name, h in hists.items()},
+            "pooled": {name: pooled(rows) for name, rows in seed_rows.items()},
         }
     return summary
 
@@ -292,10 +293,9 @@ def main(argv=None) -> None:
     per_seed = {seed: read_runs(out / f"seed{seed}" / "report") for seed in args.seeds}
     summary, budget = summarize(per_seed), budgets(per_seed, out)
     text = markdown(summary, seconds) + "\n" + budget_markdown(budget)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"summary": summary, "budget": budget, "wall_seconds": seconds},
-                                                 indent=1))
-    (out / "summary.md").write_text(text)
+    write_json(out / "summary.json", {"summary": summary, "budget": budget, "wall_seconds": seconds})
+    with atomic_file(out / "summary.md") as handle:
+        handle.write(text)
     print(text)
 
 

@@ -259,13 +259,20 @@ def test_bench_budget_trains_and_evaluates_as_the_demo_does(monkeypatch):
     assert mine == sorted(zip(bench.EVAL_FLAGS[::2], bench.EVAL_FLAGS[1::2]))
 
 
+def budget_bench_recording(monkeypatch, commands: list):
+    """bench_budget with every subprocess recorded into `commands` instead of run, and a
+    calibration of 2 s a step."""
+    bench = bench_script(monkeypatch, "bench_budget")
+    monkeypatch.setattr(bench.Bench, "locked", lambda self, args, log_name: commands.append(args) or 1.0)
+    monkeypatch.setattr(bench.BudgetBench, "calibrate", lambda self, rows: {"base": {"sec_per_step": 2.0}})
+    return bench
+
+
 def test_bench_budget_conversations_reach_the_cache_and_every_run(monkeypatch, tmp_path):
     """`--conversations N` trains on N of the target's answers: the cache it builds holds N
     rows of the asked methods only, and every run reads that cache at N."""
-    bench = bench_script(monkeypatch, "bench_budget")
     commands = []
-    monkeypatch.setattr(bench.Bench, "locked", lambda self, args, log_name: commands.append(args) or 1.0)
-    monkeypatch.setattr(bench.BudgetBench, "calibrate", lambda self, rows: {"base": {"sec_per_step": 2.0}})
+    bench = budget_bench_recording(monkeypatch, commands)
     monkeypatch.setattr(bench, "read_json", lambda path: (_ for _ in ()).throw(SystemExit("stop after eval")))
     with pytest.raises(SystemExit, match="stop after eval"):
         bench.main(["--methods", "dflash", "--budgets", "60", "--conversations", "320", "--out", str(tmp_path)])
@@ -286,10 +293,8 @@ def test_bench_budget_reuses_only_a_cache_and_runs_of_its_own_rows(monkeypatch, 
     from draftsmith.errors import DraftsmithError
     from draftsmith.fsutil import read_json, write_json
 
-    bench = bench_script(monkeypatch, "bench_budget")
     commands = []
-    monkeypatch.setattr(bench.Bench, "locked", lambda self, args, log_name: commands.append(args[3]) or 1.0)
-    monkeypatch.setattr(bench.BudgetBench, "calibrate", lambda self, rows: {"base": {"sec_per_step": 2.0}})
+    bench = budget_bench_recording(monkeypatch, commands)
     monkeypatch.setattr(bench, "read_runs", lambda folder: (_ for _ in ()).throw(SystemExit("stop after eval")))
 
     def manifest_only(path):  # the real checks over a manifest, without writing 3 GB of features
@@ -303,7 +308,7 @@ def test_bench_budget_reuses_only_a_cache_and_runs_of_its_own_rows(monkeypatch, 
                                                          "rows": rows_settings(demo), "splits": {"train": 76}})
     with pytest.raises(SystemExit, match="stop after eval"):  # the demo's cache: read as it is, nothing rebuilt
         bench.main(["--methods", "eagle3", "--budgets", "60", "--out", str(tmp_path)])
-    assert commands == ["train", "eval"]
+    assert [args[3] for args in commands] == ["train", "eval"]
     for argv, refusal in ((["--conversations", "320"], "holds data.num_conversations=80; this run needs "
                                                         "data.num_conversations=320"),
                           (["--methods", "dspark"], "holds dflash, eagle3; this bench needs dspark too")):
@@ -319,4 +324,4 @@ def test_bench_budget_reuses_only_a_cache_and_runs_of_its_own_rows(monkeypatch, 
     commands.clear()
     with pytest.raises(SystemExit, match="stop after eval"):  # the same rows: reused, not trained again
         bench.main(["--methods", "dflash", "--budgets", "60", "--out", str(tmp_path)])
-    assert commands == ["eval"]
+    assert [args[3] for args in commands] == ["eval"]
