@@ -49,11 +49,10 @@ ROWS = "rows.safetensors"
 # ---------------------------------------------------------------- the target's identity
 
 def local_model_dir(path: str | Path) -> Path:
-    """The folder holding a model's files (a hub name resolves to its download)."""
-    from draftsmith.models.target import find_model_dir
-
-    local = find_model_dir(path)
-    if isinstance(local, Path) and local.is_dir():
+    """The folder holding a model's files: `path` as `find_model_dir` gave it (a folder, or a
+    hub name it found in no cache, downloaded here)."""
+    local = Path(path)
+    if local.is_dir():
         return local
     from huggingface_hub import snapshot_download
 

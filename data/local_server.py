@@ -1,5 +1,8 @@
-"""`transformers serve` for one model on 127.0.0.1: the server the tests and
-scripts/bench_regenerate.py regenerate through (`pip install "draftsmith[serve]"`).
+"""OpenAI-compatible servers on 127.0.0.1, started and stopped by draftsmith: `transformers
+serve` for one model (the server the tests and scripts/bench_regenerate.py regenerate through,
+`pip install "draftsmith[serve]"`), and the vLLM engine (eval/engine.py) that serves a target
+with one of our drafters. Both are a `LoopbackServer`: a command on a free loopback port, its
+output in a log, ready when /health answers.
 
 At scale a vLLM or SGLang server on the accelerators takes its place; only the URL changes.
 """
@@ -7,6 +10,7 @@ At scale a vLLM or SGLang server on the accelerators takes its place; only the U
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -26,32 +30,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve_command() -> list[str]:
-    beside = Path(sys.executable).with_name("transformers")  # the CLI of this interpreter's transformers
-    found = str(beside) if beside.exists() else shutil.which("transformers")
-    if not found:
-        raise DraftsmithError("transformers serve: no `transformers` command beside this Python")
-    return [found, "serve"]
+def loopback_get(url: str, timeout: float = 10.0) -> str:
+    """The body of a GET on a loopback URL, never through a proxy."""
+    with _OPENER.open(url, timeout=timeout) as reply:
+        return reply.read().decode("utf-8", "replace")
 
 
-class LocalServer:
-    """Starts `transformers serve MODEL` on a free loopback port and waits (at most
-    `wait_s`) until /health answers; `stop()` (or leaving the `with` block) ends it."""
+# Why a server ended, by what its log says last, best first: a pydantic validation's own
+# message (vLLM checks its config that way), a Python exception's line (module prefix dropped;
+# a logged traceback's too), any logged error.
+_WHY = (re.compile(r"Value error, (.*?)(?: \[type=.*)?$"),
+        re.compile(r"^(?:.*?\bERROR\b.*?\] )?(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)\b:? .*)$"),
+        re.compile(r"\bERROR\b.*?\] (.*)$"))
 
-    def __init__(self, model_dir: str | Path, log: str | Path, continuous_batching: bool = False,
-                 device: str = "cpu", wait_s: float = 180.0, threads: int | None = None):
+
+# Lines that only point back at the cause ("see the stack trace above"): vLLM's front end
+# saying its engine core died.
+_ECHOES = ("EngineDeadError", "EngineCore encountered an issue")
+
+
+def why_it_failed(log: Path, fallback: str) -> str:
+    """The reason a server's log gives for ending, else `fallback`; logged warnings and
+    information are passed over (one may mention an error it survived)."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return fallback
+    lines = [line.strip() for line in lines if " WARNING " not in line and " INFO " not in line
+             and not any(echo in line for echo in _ECHOES)]
+    for pattern in _WHY:
+        for line in reversed(lines):
+            found = pattern.search(line)
+            if found:
+                return re.sub(r"\s+", " ", found.group(1)).strip()[:400]
+    return fallback
+
+
+class LoopbackServer:
+    """`command` (which must take `--host 127.0.0.1 --port PORT`, appended here) started on a
+    free loopback port; waits at most `wait_s` until /health answers. A server that exits first
+    is one line with the reason its log gives; `stop()` (or leaving the `with` block) ends it."""
+
+    name = "server"
+
+    def __init__(self, command: list[str], log: str | Path, env: dict[str, str] | None = None, wait_s: float = 180.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
-        command = [*_serve_command(), str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
-                   "--device", device, "--log-level", "warning"]
-        if continuous_batching:
-            command.append("--continuous-batching")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
+        command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
         with self.log.open("wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **(env or {})}, start_new_session=True)
         try:
             self._wait(wait_s)
         except BaseException:
@@ -62,7 +91,8 @@ class LocalServer:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise DraftsmithError(f"transformers serve exited with status {self.process.returncode} "
+                why = why_it_failed(self.log, "no reason in its log")
+                raise DraftsmithError(f"{self.name} exited with status {self.process.returncode}: {why} "
                                       f"(log: {self.log})")
             try:
                 with _OPENER.open(f"{self.url}/health", timeout=2) as reply:
@@ -70,19 +100,44 @@ class LocalServer:
                         return
             except OSError:
                 time.sleep(0.5)
-        raise DraftsmithError(f"transformers serve did not answer /health within {wait_s:.0f} s (log: {self.log})")
+        raise DraftsmithError(f"{self.name} did not answer /health within {wait_s:.0f} s (log: {self.log})")
 
     def stop(self) -> None:
+        """Ends the server and every process it started (vLLM's engine core runs apart)."""
         if self.process.poll() is None:
-            self.process.terminate()
             try:
-                self.process.wait(timeout=15)
+                os.killpg(self.process.pid, 15)
+                self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                os.killpg(self.process.pid, 9)
                 self.process.wait(timeout=15)
+            except ProcessLookupError:
+                pass
 
-    def __enter__(self) -> "LocalServer":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _serve_command() -> list[str]:
+    beside = Path(sys.executable).with_name("transformers")  # the CLI of this interpreter's transformers
+    found = str(beside) if beside.exists() else shutil.which("transformers")
+    if not found:
+        raise DraftsmithError("transformers serve: no `transformers` command beside this Python")
+    return [found, "serve"]
+
+
+class LocalServer(LoopbackServer):
+    """`transformers serve MODEL` on a free loopback port."""
+
+    name = "transformers serve"
+
+    def __init__(self, model_dir: str | Path, log: str | Path, continuous_batching: bool = False,
+                 device: str = "cpu", wait_s: float = 180.0, threads: int | None = None):
+        command = [*_serve_command(), str(model_dir), "--device", device, "--log-level", "warning"]
+        if continuous_batching:
+            command.append("--continuous-batching")
+        env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+        super().__init__(command, log, env, wait_s)

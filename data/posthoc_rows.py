@@ -14,8 +14,7 @@ from pathlib import Path
 
 from draftsmith.data.feature_cache import target_fingerprint
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import atomic_file
-from draftsmith.models.target import find_model_dir
+from draftsmith.fsutil import atomic_file, output_lock
 from draftsmith.recipe import Recipe
 
 EVAL_FRACTION = 0.05
@@ -26,9 +25,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE") or Path.home() / ".cache" / "draftsmith")
 
 
-def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, bool]:
-    """The training conversations, answered by the target when asked (always for the
-    embedded default, whose prompts have no answers). Returns (source, untemplated)."""
+def conversations_file(recipe: Recipe, target, tokenizer, target_dir: Path | str | None) -> tuple[Path | str, bool]:
+    """The training conversations, answered by the target (at `target_dir`, its target.path
+    resolved) when asked (always for the embedded default, whose prompts have no answers).
+    Returns (source, untemplated)."""
     from accelerate import PartialState
 
     from draftsmith.data.conversations import STDLIB_INSTRUCTIONS
@@ -43,7 +43,6 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
         return _dataset_file(recipe), False
     # Answers depend only on the target and these settings, so every drafter trained
     # against the same target shares them: they are cached under a key of both.
-    target_dir = find_model_dir(recipe.target.path)
     identity = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
     key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     out = cache_dir() / "regenerated" / f"{key}.jsonl"
@@ -55,8 +54,11 @@ def conversations_file(recipe: Recipe, target, tokenizer) -> tuple[Path | str, b
     # file before any can write it, since the merge waits for every process.
     with PartialState().main_process_first() if settings.servers else contextlib.nullcontext():
         if not out.is_file():
-            run_regeneration(settings, target_dir, tokenizer, conversations, out, untemplated=embedded,
-                             names=(recipe.target.path,), model=target)
+            # One writer per cache file: two runs answering into it at once would double its answers.
+            with output_lock(out, "the regenerated answers"):
+                if not out.is_file():
+                    run_regeneration(settings, target_dir, tokenizer, conversations, out, untemplated=embedded,
+                                     names=(recipe.target.path,), model=target)
     return out, embedded
 
 
@@ -117,14 +119,14 @@ def num_proc(processes: int) -> int | None:
     return processes if processes > 1 else None
 
 
-def training_rows(recipe: Recipe, target, tokenizer):
+def training_rows(recipe: Recipe, target, tokenizer, target_dir: Path | str | None):
     """The rendered rows of a post-hoc run, split (train, eval), and where they came from:
     the one definition an online run and a feature cache of it share."""
     from accelerate import PartialState
 
     from draftsmith.data.chat import tokenize_conversations
 
-    source, untemplated = conversations_file(recipe, target, tokenizer)
+    source, untemplated = conversations_file(recipe, target, tokenizer, target_dir)
     template, template_kwargs = chat_settings(recipe, tokenizer)
     # The main process tokenizes first, in data.num_proc processes; the others read what
     # `datasets` cached of it (a file-backed source) instead of all tokenizing at once.

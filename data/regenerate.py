@@ -23,7 +23,8 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat import chat_format, render_text, resolve_template, thinking_kwargs
-from draftsmith.data.regen_server import ReplyDecoding, partial_path, resuming, stop_token_ids, user_turns
+from draftsmith.data.reply_decoding import ReplyDecoding, stop_token_ids, user_turns
+from draftsmith.data.resume import partial_path, resuming
 from draftsmith.errors import DiskFull, DraftsmithError
 from draftsmith.fsutil import atomic_file, check_not_an_input, full_disk_reason, is_disk_full, write_failure
 from draftsmith.logs import show_progress
@@ -242,7 +243,8 @@ def run_regeneration(settings: Regeneration, target_dir: str | Path, tokenizer,
     template, template_kwargs = chat_format(tokenizer, settings.chat_template, settings.enable_thinking, untemplated=untemplated)
     asked = conversations()
     if settings.servers:
-        from draftsmith.data.regen_server import Limits, decoding_for, regenerate_via_servers
+        from draftsmith.data.regen_server import decoding_for, regenerate_via_servers
+        from draftsmith.data.server_endpoint import Limits
 
         how = decoding_for(target_dir, tokenizer, settings.decoding, untemplated, template, template_kwargs)
         return regenerate_via_servers(list(settings.servers), tuple(n for n in (*names, str(target_dir)) if n),

@@ -13,9 +13,17 @@ import shlex
 import sys
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import Flags
+from draftsmith.fields import DEFAULT_TILE, Flags
 from draftsmith.fsutil import output_lock
-from draftsmith.registry import METHODS, decode_options, export_formats, import_ref, posthoc, proposer_names
+from draftsmith.registry import (
+    METHODS,
+    decode_options,
+    export_formats,
+    import_ref,
+    posthoc,
+    proposer_names,
+    trainable,
+)
 
 
 def _train(args) -> int | None:
@@ -50,8 +58,9 @@ def _plan(args) -> None:
         if not args.out:
             raise DraftsmithError("plan --measure: give --out DIR (the latency table's folder)")
         print()
-        print(measure_command(args.target, args.tile, args.tp, args.out, contexts=args.contexts,
-                              max_draft=args.max_draft, reps=args.reps, device=args.device))
+        with output_lock(args.out):  # two measurements into one folder: the second is refused, none lost
+            print(measure_command(args.target, args.tile, args.tp, args.out, contexts=args.contexts,
+                                  max_draft=args.max_draft, reps=args.reps, device=args.device))
 
 
 def _eval(args) -> None:
@@ -106,7 +115,7 @@ def _proposer_options(args) -> dict[str, dict]:
 
 def _regenerate(args) -> None:
     from draftsmith.data.regenerate import regenerate_command, regeneration
-    from draftsmith.models.target import find_model_dir
+    from draftsmith.models.model_dir import find_model_dir
     from draftsmith.recipe import Recipe, load_recipe
 
     # A recipe gives the target, the dataset, the servers and the sampling; flags win over it.
@@ -168,8 +177,8 @@ def _export(args) -> None:
 
     from draftsmith.fsutil import check_replaceable
     from draftsmith.models.export import export_notes, export_run
+    from draftsmith.models.model_dir import find_model_dir
     from draftsmith.models.run_weights import BEST, MODEL, weights_label
-    from draftsmith.models.target import find_model_dir
 
     out, run = Path(args.out).resolve(), Path(args.run_dir)
     if out in {p.resolve() for p in (run, Path(find_model_dir(run)), run / MODEL, run / BEST)}:  # the run's own
@@ -225,30 +234,38 @@ def _int_list(text: str) -> list[int]:
     return [int(part) for part in text.split(",") if part.strip()]
 
 
-DESCRIPTION = ("Train speculative-decoding drafters (EAGLE-3, DFlash, DSpark, MTP, a draft LM) for a target model,\n"
-               "export them for SGLang and vLLM, and measure them losslessly against plain decoding.\n"
-               "Every command takes --recipe FILE (recipes/) for its defaults; flags win over it.")
-# One example per command, in the order of the real path; tests/test_cli.py parses each line.
-EXAMPLES = """commands, one example each:
+def _description() -> str:
+    """The top-level help's first lines, the methods as the registry holds them."""
+    return (f"Train speculative-decoding drafters ({', '.join(trainable())}) for a target model,\n"
+            "export them for SGLang and vLLM, and measure them losslessly against plain decoding.\n"
+            "Every command takes --recipe FILE (recipes/) for its defaults; flags win over it.")
+def _examples() -> str:
+    """One example per command, in the order of the real path, for the first post-hoc method the
+    registry holds (its Llama-3.1-8B recipe); tests/test_cli.py parses each line."""
+    m = posthoc()[0]
+    recipe, run, fmt = f"recipes/llama31_8b/{m}.yaml", f"runs/llama31_8b/{m}", next(iter(METHODS[m].exports))
+    return f"""commands, one example each:
   plan               draftsmith plan meta-llama/Llama-3.1-8B-Instruct
   data prepare       draftsmith data prepare sharegpt --out data/sharegpt.jsonl
-  data regenerate    draftsmith data regenerate --recipe recipes/llama31_8b/eagle3.yaml --server http://127.0.0.1:8000/v1 --out data/regenerated.jsonl
-  data cache-hidden  draftsmith data cache-hidden --recipe recipes/llama31_8b/eagle3.yaml --out cache/llama31_8b
-  recipe show        draftsmith recipe show --recipe recipes/llama31_8b/eagle3.yaml train.lr=5e-5
-  train              draftsmith train --recipe recipes/llama31_8b/eagle3.yaml --accelerate-config zero2
-  export             draftsmith export runs/llama31_8b/eagle3 --format sglang --out exports/eagle3-sglang
-  eval               draftsmith eval --target meta-llama/Llama-3.1-8B-Instruct --drafter eagle3:runs/llama31_8b/eagle3 --dataset mt-bench --out reports/eagle3
-  report             draftsmith report reports/eagle3 reports/mtp --out reports/all
+  data regenerate    draftsmith data regenerate --recipe {recipe} --server http://127.0.0.1:8000/v1 --out data/regenerated.jsonl
+  data cache-hidden  draftsmith data cache-hidden --recipe {recipe} --out cache/llama31_8b
+  recipe show        draftsmith recipe show --recipe {recipe} train.lr=5e-5
+  train              draftsmith train --recipe {recipe} --accelerate-config zero2
+  export             draftsmith export {run} --format {fmt} --out exports/{m}-{fmt}
+  eval               draftsmith eval --target meta-llama/Llama-3.1-8B-Instruct --drafter {m}:{run} --dataset mt-bench --out reports/{m}
+  report             draftsmith report reports/{m} reports/{m}-sampled --out reports/all
 
 Without a GPU: scripts/demo.sh runs the whole path on CPU against SmolLM2-135M-Instruct (make demo)."""
-RECIPE_HELP = "a YAML recipe, e.g. recipes/tiny/mtp.yaml (default: none, the built-in recipe)"
+
+
+RECIPE_HELP = "a YAML recipe, e.g. one of recipes/ (default: none, the built-in recipe)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     from draftsmith.eval.settings import AUTO, TILE, num_draft_arg
 
     # Subparsers take the parent's class, so every subcommand gets the formatter.
-    parser = _Parser(prog="draftsmith", description=DESCRIPTION, epilog=EXAMPLES)
+    parser = _Parser(prog="draftsmith", description=_description(), epilog=_examples())
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -269,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="size the draft count D from the target's head grouping (tile rule)")
     p.add_argument("target", help="a model folder, a config.json, or a hub name")
-    p.add_argument("--tile", type=int, default=128, help="rows of the verify kernel's tile (default 128)")
+    p.add_argument("--tile", type=int, default=DEFAULT_TILE, help=f"rows of the verify kernel's tile (default {DEFAULT_TILE})")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--measure", action="store_true",
                    help="time the target's verify forward for 1 + d query tokens on this device (d = 0 to past the "
@@ -288,13 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True, help="the target: a model folder, a training run folder or a hub name")
     p.add_argument("--recipe", default=None, help="take the defaults below from this recipe's eval section, "
                                                   "target.tile and chat settings (default: none, the built-in ones)")
+    from draftsmith.eval.engine import ENGINE_LAYOUTS, ENGINES  # light: no torch
+
     section, own, tile, chat = _eval_flags()
     section.add(p, num_draft=dict(type=num_draft_arg, metavar=f"N|{TILE}|{AUTO}", help=(
         f"{AUTO}: per drafter, the D that maximises expected tokens/s from its acceptance on a calibration split "
         "and the verify latency table, capped by the tile rule on GPUs")))
-    own.add(p, drafters=dict(required=True, metavar="SPEC", help="NAME: " + ", ".join(
+    own.add(p, drafters=dict(required=True, metavar="[LABEL=]NAME[:PATH]", help="NAME: " + ", ".join(
         name + (":RUN" if spec.needs_path else "") for name, (spec, _) in proposer_names().items())),
-        cache_kind=dict(choices=["dynamic", "static"]), latency_table=dict(metavar="DIR|FILE"))
+        latency_table=dict(metavar="DIR|FILE"),
+        engine=dict(choices=list(ENGINES)), engine_layouts=dict(choices=list(ENGINE_LAYOUTS)))
     tile.add(p)
     for _, option in decode_options():  # each method's own per-run options (registry.py)
         p.add_argument(option.flag, type=option.type, default=None, metavar=option.metavar or None, help=option.help)
@@ -316,10 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="weights and torch_dtype of the export (default: the target's dtype)")
     p.add_argument("--latency-table", default=None, metavar="DIR|FILE",
-                   help="a `draftsmith plan TARGET --measure` table of the serving device: the printed EAGLE-3 chain "
-                        "length then maximises expected tokens/s with the run's validation acceptance, and a "
-                        "DSpark SGLang export gets SGLang's steps-per-second table from it (default: none, the "
-                        "references' 3 steps, no cost table)")
+                   help="a `draftsmith plan TARGET --measure` table of the serving device: a printed chain's length "
+                        "then maximises expected tokens/s with the run's validation acceptance, and " + "; ".join(
+                            f"--format {'|'.join(s.latency_exports)} of {s.name}" for s in METHODS.values()
+                            if s.latency_exports) + " write a cost table from it (default: none, the references' "
+                        "3 steps, no cost table)")
     p.set_defaults(handler=_export)
 
     _data_parsers(sub)
@@ -347,8 +368,8 @@ def _data_parsers(sub) -> None:
     p.set_defaults(handler=_regenerate)
 
     p = data.add_parser("prepare", help="write a dataset the references train on as a messages jsonl")
-    p.add_argument("name", choices=_prepare_names(), help="sharegpt, ultrachat (200k) or perfectblend (DeepSpec's "
-                                                           "DSpark mix)")
+    p.add_argument("name", choices=_prepare_names(), help="sharegpt, ultrachat (200k) or perfectblend (the mix "
+                                                           "DeepSpec trains on)")
     p.add_argument("--out", required=True, help="the jsonl to write (written whole or not at all)")
     p.add_argument("--limit", type=int, default=None, help="at most this many conversations (default: all)")
     p.add_argument("--source", default=None, metavar="DIR",

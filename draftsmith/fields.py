@@ -21,21 +21,87 @@ from typing import Any
 
 from draftsmith.errors import DraftsmithError
 
+# The verify kernel's tile rows where a recipe or a command names none: FlashAttention-3's
+# 128-row query tile (docs/design.md section 3); recipe.py's target.tile and every part that
+# sizes a draft default to it. Here, not in the recipe or models/tile.py, because both the
+# recipe and models/ read it and models/ never imports the recipe (design.md section 5).
+DEFAULT_TILE = 128
+
 # numpy's legacy seeding (which accelerate's set_seed calls) takes 0 .. 2**32 - 1 only.
 SEED_RANGE = (0, 2**32 - 1)
 
 
-def option(default: Any, help: str) -> Any:
+def option(default: Any, help: str, *, choices: tuple | dict = (), low: float | None = None,
+           high: float | None = None, above: float | None = None) -> Any:
     """A field with `default` and `metadata["help"]`. A mutable default (list, dict) is
-    copied per instance, as `field(default_factory=...)` would."""
+    copied per instance, as `field(default_factory=...)` would.
+
+    The values it takes beyond its type are declared here, once: `choices` (a dict maps each
+    to its meaning), `low` and `high` (inclusive bounds) and `above` (an exclusive one). The
+    recipe's check (`check_declared`), a flag (its argparse choices, its value checked), its
+    help and `recipe show` (`help_of`) all read them."""
+    metadata = {"help": help, "choices": choices, "low": low, "high": high, "above": above}
     if isinstance(default, (list, dict, set)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def help_of(f) -> str:
-    """The meaning recorded on a dataclass field ("" when it has none)."""
-    return f.metadata.get("help", "")
+    """The meaning recorded on a dataclass field ("" when it has none), with the values it
+    takes where it declares them."""
+    text, rule = f.metadata.get("help", ""), rule_of(f)
+    return f"{text}; {rule}" if text and rule else text
+
+
+def rule_of(f) -> str:
+    """The values a field declares, in words: "one of a, b", "at least 1", "0 to 1", "above 0"."""
+    meta = f.metadata
+    choices = meta.get("choices") or ()
+    if choices:
+        meanings = choices if isinstance(choices, dict) else {}
+        return "one of " + ", ".join(f"{c} ({meanings[c]})" if meanings.get(c) else str(c) for c in choices)
+    low, high, above = meta.get("low"), meta.get("high"), meta.get("above")
+    words = [f"{low} to {high}" if low is not None and high is not None
+             else f"at least {low}" if low is not None else f"at most {high}" if high is not None else "",
+             f"above {above}" if above is not None else ""]
+    return ", ".join(w for w in words if w)
+
+
+def check_declared(f, value: Any, key: str) -> None:
+    """`value` of field `f` against what the field declares, in one line naming `key`; None
+    (a value derived later) and a value of another type (a union's other member) pass."""
+    meta = f.metadata
+    choices = meta.get("choices") or ()
+    if choices and value is not None and value not in choices:
+        raise DraftsmithError(f"{key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    low, high, above = meta.get("low"), meta.get("high"), meta.get("above")
+    if low is not None and high is not None and not low <= value <= high:
+        raise DraftsmithError(f"{key}: must be between {low} and {high}, got {value}")
+    if low is not None and value < low:
+        raise DraftsmithError(f"{key}: must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise DraftsmithError(f"{key}: must be at most {high}, got {value}")
+    if above is not None and not value > above:
+        raise DraftsmithError(f"{key}: must be above {above}, got {value}")
+
+
+def check_section(section, prefix: str) -> None:
+    """Every field of the dataclass instance `section` against its declaration (`check_declared`)."""
+    for f in dataclasses.fields(section):
+        check_declared(f, getattr(section, f.name), f"{prefix}.{f.name}")
+
+
+class MethodConfig:
+    """The base of every method's config dataclass (models/<method>.py): what the recipe and
+    the training loop call on it, with its default."""
+
+    @classmethod
+    def check_params(cls, params: dict, seq_len: int | None = None, target_config=None) -> None:
+        """The recipe's method keys (`params`: those it set) against each other, the rows
+        (`seq_len`) and, where given, the target's config, refused in one line naming the key.
+        The default checks nothing beyond the fields' types and declarations."""
 
 
 def finite(value: float, key: str) -> float:
@@ -104,6 +170,8 @@ class Flags:
             raise TypeError(f"Flags.add: no field(s) {', '.join(sorted(unknown))} in {self.cls.__name__}")
         for f in self.fields():
             kwargs = _argparse_kind(hints[f.name])
+            if f.metadata.get("choices"):
+                kwargs["choices"] = list(f.metadata["choices"])
             extra = dict(custom.get(f.name, {}))
             text = help_of(f) + (f"; {extra.pop('help')}" if "help" in extra else "")
             text += "; repeatable" if kwargs.get("action") == "append" else ""
@@ -116,8 +184,13 @@ class Flags:
                                 help=text.replace("%", "%%"), **{**kwargs, **extra})
 
     def given(self, args: argparse.Namespace) -> dict[str, Any]:
-        """The fields whose flags `args` holds (a recipe section's: those given)."""
-        return {f.name: getattr(args, self.dest(f.name)) for f in self.fields() if hasattr(args, self.dest(f.name))}
+        """The fields whose flags `args` holds (a recipe section's: those given), each checked
+        against its field's declaration as the recipe's value is (`check_declared`)."""
+        given = {f: getattr(args, self.dest(f.name)) for f in self.fields() if hasattr(args, self.dest(f.name))}
+        for f, value in given.items():
+            for item in value if isinstance(value, list) else [value]:
+                check_declared(f, item, "--" + self.dest(f.name).replace("_", "-"))
+        return {f.name: value for f, value in given.items()}
 
     def over(self, args: argparse.Namespace, section):
         """`section` with the values of the flags given."""

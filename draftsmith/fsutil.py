@@ -289,7 +289,7 @@ def _lock_file(path: Path, what: str, other: str) -> Iterator[int | None]:
     import fcntl
 
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, user_mode())
+        fd = _open_lock(path, what)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -312,6 +312,22 @@ def _lock_file(path: Path, what: str, other: str) -> Iterator[int | None]:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         os.close(fd)
+
+
+def _open_lock(path: Path, what: str) -> int:
+    """The lock file opened (made where absent), or one line saying why it cannot be: a folder
+    of that name, a name past the file system's limit (`.NAME.lock` is longer than NAME), no
+    permission."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, user_mode())
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            why = "its name is longer than the file system allows; give a shorter name"
+        elif path.is_dir():
+            why = "a folder of that name is in the way; remove it if no other process uses it"
+        else:
+            why = exc.strerror or type(exc).__name__
+        raise DraftsmithError(f"{what}: cannot make its lock file {path} ({why})") from None
 
 
 def check_replaceable(dest: str | os.PathLike, marker: str, what: str) -> None:

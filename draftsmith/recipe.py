@@ -18,30 +18,31 @@ from typing import Any, Union
 import yaml
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import divides, finite, option, seed
+from draftsmith.fields import DEFAULT_TILE, check_declared, check_section, divides, finite, option, seed
 from draftsmith.registry import METHODS, MethodSpec, config_class, method_spec, trainable
 from draftsmith.sampling_params import SamplingParams
 
 
 @dataclass
 class TargetSection:
-    path: str = option("", 'A folder or hub name of a frozen target. Empty: the tiny target, built from the fields below (the mtp recipe pretrains it; others need a path).')
+    path: str = option("", 'A folder or hub name of a frozen target. Empty: the tiny target, built from the fields below (a method trained with its target pretrains it; a post-hoc one needs a path).')
     arch: str = option("llama", "tiny target architecture: llama or qwen3 (the toolkit's own), or another family "
                                 "of models/tiny_archs.py (qwen2, mistral, gemma, mixtral, phi, deepseek_v3, ...)")
-    num_layers: int = option(8, "tiny target: decoder layers")
-    hidden_size: int = option(256, "tiny target: hidden width")
-    num_heads: int = option(8, "tiny target: query heads")
-    num_kv_heads: int = option(1, "tiny target: KV heads (G = num_heads / num_kv_heads sizes D)")
-    intermediate_size: int = option(0, "tiny target: MLP width (0: derived from hidden_size)")
+    num_layers: int = option(8, "tiny target: decoder layers", low=1)
+    hidden_size: int = option(256, "tiny target: hidden width", low=1)
+    num_heads: int = option(8, "tiny target: query heads", low=1)
+    num_kv_heads: int = option(1, "tiny target: KV heads (G = num_heads / num_kv_heads sizes D)", low=1)
+    intermediate_size: int = option(0, "tiny target: MLP width (0: derived from hidden_size)", low=0)
     max_position_embeddings: int = option(2048, "tiny target: longest sequence it takes (a target at a path "
-                                                "has its own, which train.seq_len is checked against)")
+                                                "has its own, which train.seq_len is checked against)", low=1)
     rope_theta: float = option(0.0, "a target built from these fields (no path): RoPE base frequency (0: the "
-                                    "family's default, 10000; Llama-3 and Qwen3 use 500000 and 1000000)")
+                                    "family's default, 10000; Llama-3 and Qwen3 use 500000 and 1000000)", low=0)
     tie_word_embeddings: bool = option(False, "a target built from these fields (no path): one matrix for the input "
                                               "embedding and the output head (Llama-3.2-1B and Qwen3 up to 4B tie them)")
     dtype: str = option("auto", 'dtype the frozen target is loaded in: auto, float32, bfloat16')
     attn_implementation: str = option("sdpa", "the target's attention: sdpa, eager, flash_attention_2")
-    tile: int = option(128, "verify kernel tile rows; sizes D and DFlash's block (docs/design.md section 3)")
+    tile: int = option(DEFAULT_TILE, "verify kernel tile rows; sizes D and a block drafter's block (docs/design.md "
+                                     "section 3)", low=1)
 
 
 @dataclass
@@ -51,13 +52,13 @@ class DataSection:
                                       'json/jsonl/parquet/txt file, a dataset folder, or a hub name')
     text_field: str = option("", 'column of a plain-text corpus; empty: guessed')
     tokenizer: str = option("", "empty: the target's own, or one trained on the embedded corpus")
-    vocab_size: int = option(2048, 'vocabulary of the tokenizer trained for the embedded default')
-    max_chars: int = option(0, 'cap on the corpus characters read (0: all)')
+    vocab_size: int = option(2048, 'vocabulary of the tokenizer trained for the embedded default', low=1)
+    max_chars: int = option(0, 'cap on the corpus characters read (0: all)', low=0)
     streaming: bool = option(False, "pretraining methods: stream the corpus through datasets (streaming=True), "
                                     "tokenized and packed as it is read, never held whole (FineWeb-Edu); "
                                     "the run is train.max_steps long")
     heldout_rows: int = option(256, "data.streaming: the corpus's first rows of train.seq_len tokens, held out "
-                                    "for validation and never trained on")
+                                    "for validation and never trained on", low=0)
     num_conversations: int = option(256, 'post-hoc methods on "embedded" or "stdlib-instructions": prompts to regenerate')
     prompt_chars: int = option(384, '... each an excerpt of this many characters (keep within train.seq_len)')
     regenerate: bool = option(True, 'post-hoc methods: answer the prompts with the target itself')
@@ -80,7 +81,7 @@ class DataSection:
                                           "a batch (cut to its longest row) carries little padding")
     packing: bool = option(False, "post-hoc methods: a batch's conversations end to end in as few rows of "
                                   "train.seq_len as hold them, each attending only within itself (data/packing.py)")
-    num_proc: int = option(1, "processes that tokenize the conversations (datasets' map num_proc)")
+    num_proc: int = option(1, "processes that tokenize the conversations (datasets' map num_proc)", low=1)
     chat_template: str = option("", "the target's chat template: empty (the tokenizer's own), a Jinja file, or a "
                                     "built-in (chatml); it renders regeneration prompts, training rows and eval prompts")
     # DeepSpec regenerates with --disable-thinking, and SpecForge and z-lab train and score Qwen3
@@ -93,50 +94,52 @@ class DataSection:
 @dataclass
 class TrainSection:
     output_dir: str = option("runs/default", "the run folder: recipe.yaml, metrics.jsonl, checkpoints/, model/")
-    max_steps: int = option(1000, "optimizer steps")
+    max_steps: int = option(1000, "optimizer steps", low=0)
     num_epochs: float = option(0.0, "passes over the training rows, instead of max_steps (0 there; a recipe "
-                                     "that sets num_epochs and not max_steps trains by epochs)")
+                                     "that sets num_epochs and not max_steps trains by epochs)", low=0)
     lr_schedule: str = option("cosine_with_min_lr", "learning-rate schedule: cosine_with_min_lr (cosine to lr * "
                                                      "min_lr_ratio), or one of transformers' (linear, cosine, "
                                                      "constant_with_warmup, ...; train/schedule.py)")
-    lr: float = option(1e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = option(0.1, "cosine_with_min_lr decays to lr * min_lr_ratio (eagle3, dflash, dspark: 0, "
-                                      "as SpecForge and DeepSpec decay)")
-    warmup_ratio: float = option(0.04, "fraction of the run's steps spent warming up linearly")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    adam_beta2: float = option(0.95, "AdamW beta2 (eagle3, dflash, dspark: 0.999, SpecForge's and DeepSpec's)")
-    batch_size: int = option(8, 'sequences per device per micro-step')
-    grad_accum: int = option(1, "micro-steps accumulated per optimizer step")
-    seq_len: int = option(256, "tokens per training row")
-    clip: float = option(1.0, "gradient norm clip")
+    lr: float = option(1e-3, "peak learning rate (AdamW)", low=0)
+    min_lr_ratio: float = option(0.1, "cosine_with_min_lr decays to lr * min_lr_ratio (a method's own reference "
+                                      "value where its registry entry sets one: train_defaults)", low=0, high=1)
+    warmup_ratio: float = option(0.04, "fraction of the run's steps spent warming up linearly", low=0, high=1)
+    weight_decay: float = option(0.0, "AdamW weight decay", low=0)
+    adam_beta2: float = option(0.95, "AdamW beta2 (a method's own reference value where its registry entry "
+                                    "sets one: train_defaults)", low=0, high=1)
+    batch_size: int = option(8, 'sequences per device per micro-step', low=1)
+    grad_accum: int = option(1, "micro-steps accumulated per optimizer step", low=1)
+    seq_len: int = option(256, "tokens per training row", low=2)
+    clip: float = option(1.0, "gradient norm clip", low=0)
     seed: int = option(0, "seed of initialisation, data order and regeneration")
     resume: bool | str = option(False, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
     resume_changes: str = option("refuse", "a resume whose recipe changes the data, shapes or trajectory of the run "
                                            "it continues (seq_len, batch, accumulation, seed, lr, method, target, "
-                                           "data): refuse, or allow (the change is recorded in run.json with the "
-                                           "step it took effect)")
+                                           "data): refuse it, or allow it (recorded in run.json with the step it "
+                                           "took effect)", choices=("refuse", "allow"))
     overwrite: bool = option(False, "true: a fresh run replaces the run output_dir holds (its checkpoints, model "
                                     "and metrics); false: such a folder is refused")
-    mixed_precision: str = option("auto", 'auto (bf16 where the device has it), no, bf16, fp16')
-    eval_every: int = option(100, "validate every this many steps")
-    eval_batches: int = option(4, "validation batches per evaluation")
-    save_every: int = option(200, "checkpoint every this many steps")
+    mixed_precision: str = option("auto", "training precision", choices={"auto": "bf16 where the device has it",
+                                                                         "no": "", "bf16": "", "fp16": ""})
+    validation_every: int = option(100, "validate every this many steps", low=1)
+    validation_batches: int = option(4, "held-out batches per validation (0: no validation)", low=0)
+    save_every: int = option(200, "checkpoint every this many steps", low=1)
     keep_checkpoints: int = option(2, "checkpoints kept (0: all; else at least 2: accelerate deletes the oldest "
-                                      "before it writes the next, and 1 would leave none while a save is under way)")
-    log_every: int = option(10, "log metrics every this many steps")
+                                      "before it writes the next, and 1 would leave none while a save is under way)", low=0)
+    log_every: int = option(10, "log metrics every this many steps", low=1)
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     # torch's default (10 min for NCCL) is shorter than regeneration: the main process asks the
     # servers (or every process answers its share) for hours while the others wait at a barrier.
     dist_timeout: float = option(720.0, "minutes a process waits for the others at a collective before "
                                         "the launch fails (accelerate's InitProcessGroupKwargs); sized for "
-                                        "regeneration, during which processes wait for hours")
+                                        "regeneration, during which processes wait for hours", above=0)
 
 
 @dataclass
 class EvalSection:
-    max_new_tokens: int = option(64, "eval: tokens generated per prompt")
+    max_new_tokens: int = option(64, "eval: tokens generated per prompt", low=1)
     num_prompts: int = option(8, "eval: prompts decoded; of a conversation dataset, conversations (every user "
-                                 "turn of each)")
+                                 "turn of each)", low=1)
     temperature: float = option(0.0, "eval: sampling temperature (0: greedy, checked token for token)")
     top_k: int = option(0, "eval: sample from the k likeliest tokens only (0: all)")
     top_p: float = option(1.0, "eval: sample from the smallest set of tokens of mass p (1: all)")
@@ -184,6 +187,11 @@ class Recipe:
 
 class NotFinite(DraftsmithError):
     """A float that is NaN or infinite: refused as such, whatever else the type allows."""
+
+
+# Keys under their old names: refused naming the new one; read under the new one from the
+# recipe.yaml a run saved before the rename (train/run_folder.py).
+RENAMED = {"train.eval_every": "train.validation_every", "train.eval_batches": "train.validation_batches"}
 
 
 def _type_name(tp) -> str:
@@ -252,6 +260,8 @@ def _build(cls, data: dict, prefix: str):
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names and path in RENAMED:
+            raise DraftsmithError(f"{path}: renamed to {RENAMED[path]}")
         if key not in names:
             raise DraftsmithError(f"{path}: unknown key (known: {', '.join(sorted(names))})")
         kwargs[key] = _coerce(value, hints[key], path)
@@ -388,84 +398,74 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
         raise DraftsmithError(f"{path}: {exc}" if path else str(exc)) from None
 
 
-MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
-RESUME_CHANGES = ("refuse", "allow")
-
-
 def validate(recipe: Recipe) -> None:
     """Values a type check lets through but a run cannot use, refused before anything starts
-    (a zero `*_every` would otherwise fail only after the first step, as a ZeroDivisionError)."""
-    t, target_section = recipe.train, recipe.target
-    at_least = {
-        "train.max_steps": (t.max_steps, 0), "train.num_epochs": (t.num_epochs, 0),
-        "data.num_proc": (recipe.data.num_proc, 1), "train.batch_size": (t.batch_size, 1), "train.grad_accum": (t.grad_accum, 1),
-        "train.seq_len": (t.seq_len, 2), "train.eval_every": (t.eval_every, 1), "train.save_every": (t.save_every, 1),
-        "train.log_every": (t.log_every, 1), "train.eval_batches": (t.eval_batches, 0),
-        "train.keep_checkpoints": (t.keep_checkpoints, 0), "train.lr": (t.lr, 0), "train.clip": (t.clip, 0),
-        "train.weight_decay": (t.weight_decay, 0), "target.num_layers": (target_section.num_layers, 1),
-        "target.hidden_size": (target_section.hidden_size, 1), "target.num_heads": (target_section.num_heads, 1),
-        "target.num_kv_heads": (target_section.num_kv_heads, 1), "target.intermediate_size": (target_section.intermediate_size, 0),
-        "target.max_position_embeddings": (target_section.max_position_embeddings, 1),
-        "target.rope_theta": (target_section.rope_theta, 0), "data.vocab_size": (recipe.data.vocab_size, 1), "data.max_chars": (recipe.data.max_chars, 0),
-    }
-    # A method's counts (num_depths, num_layers, num_heads, ...): None means derived, else at least 1.
-    at_least |= {f"method.{k}": (v, 1) for k, v in recipe.method.params.items()
-                 if k.startswith("num_") and isinstance(v, int) and not isinstance(v, bool)}
-    for key, (value, low) in at_least.items():
-        if value < low:
-            raise DraftsmithError(f"{key}: must be at least {low}, got {value}")
-    if not target_section.path:  # the tiny target is built from these fields: its transformers config needs them whole
-        divides(vars(target_section), "hidden_size", "num_heads", "the tiny target's heads split its width", prefix="target")
-        divides(vars(target_section), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
-                prefix="target")
-    # The method's own shape rules, where its config declares them (models/<method>.py: check_params).
-    check = getattr(recipe.method.spec.load("config"), "check_params", None) if recipe.method.name else None
-    if check is not None:
-        check(recipe.method.params, seq_len=t.seq_len)
-    if t.keep_checkpoints == 1:  # a failed save must leave the previous checkpoint behind
-        raise DraftsmithError("train.keep_checkpoints: 1 would leave no whole checkpoint while the next is written "
-                              "(accelerate deletes the oldest first); give 2 or more, or 0 for all")
-    for key, value in (("train.warmup_ratio", t.warmup_ratio), ("train.min_lr_ratio", t.min_lr_ratio),
-                       ("train.adam_beta2", t.adam_beta2)):
-        if not 0 <= value <= 1:
-            raise DraftsmithError(f"{key}: must be between 0 and 1, got {value}")
-    if not t.dist_timeout > 0:
-        raise DraftsmithError(f"train.dist_timeout: must be a positive number of minutes, got {t.dist_timeout}")
-    if t.mixed_precision not in MIXED_PRECISION:
-        raise DraftsmithError(f"train.mixed_precision: expected one of {', '.join(MIXED_PRECISION)}, "
-                              f"got {t.mixed_precision!r}")
-    seed(t.seed, "train.seed")
+    (a zero `*_every` would otherwise fail only after the first step, as a ZeroDivisionError):
+    every key against what its field declares (its choices and bounds, draftsmith/fields.py
+    `option`), then the rules across keys."""
+    for section in dataclasses.fields(Recipe):
+        if section.name != "method":
+            check_section(getattr(recipe, section.name), section.name)
+    _check_method(recipe.method, recipe.train.seq_len)
+    _check_target(recipe.target)
+    _check_length(recipe.train, recipe.data)
+    seed(recipe.train.seed, "train.seed")
     seed(recipe.eval.seed, "eval.seed")
     try:
         recipe.eval.sampling()
     except DraftsmithError as exc:
         raise DraftsmithError(f"eval: {exc}") from None
+    if recipe.train.keep_checkpoints == 1:  # a failed save must leave the previous checkpoint behind
+        raise DraftsmithError("train.keep_checkpoints: 1 would leave no whole checkpoint while the next is written "
+                              "(accelerate deletes the oldest first); give 2 or more, or 0 for all")
+    if recipe.data.streaming and recipe.method.name and recipe.method.spec.reads_target_features:
+        raise DraftsmithError(f"data.streaming: streams pretraining text, and method {recipe.method.name} trains on "
+                              "conversations; remove the key")
+    if isinstance(recipe.train.resume, str) and not recipe.train.resume:
+        raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
+
+
+def _check_method(method: MethodSection, seq_len: int) -> None:
+    """The method's keys against its config's fields' declarations, its counts (num_*: None
+    means derived) at least 1, then the config's own rules (`MethodConfig.check_params`)."""
+    if not method.name:
+        return
+    config = method.spec.load("config")
+    for f in dataclasses.fields(config):
+        if f.name in method.params:
+            check_declared(f, method.params[f.name], f"method.{f.name}")
+    for key, value in method.params.items():
+        if key.startswith("num_") and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise DraftsmithError(f"method.{key}: must be at least 1, got {value}")
+    config.check_params(method.params, seq_len=seq_len)
+
+
+def _check_target(target: TargetSection) -> None:
+    """The tiny target's fields whole, and none of them set beside a target at a path (which
+    has its own: a value here would be silently ignored)."""
+    if not target.path:  # the tiny target is built from these fields: its transformers config needs them whole
+        divides(vars(target), "hidden_size", "num_heads", "the tiny target's heads split its width", prefix="target")
+        divides(vars(target), "num_heads", "num_kv_heads", "each KV head serves a whole group of query heads",
+                prefix="target")
+        return
+    if target.max_position_embeddings != TargetSection.max_position_embeddings:
+        raise DraftsmithError(f"target.max_position_embeddings={target.max_position_embeddings} sizes only the tiny "
+                              f"target; target {target.path} has its own (remove the key)")
+    if target.rope_theta or target.tie_word_embeddings:
+        raise DraftsmithError(f"target.rope_theta and target.tie_word_embeddings shape only a target built from the "
+                              f"recipe; target {target.path} has its own (remove the keys)")
+
+
+def _check_length(t: TrainSection, data: DataSection) -> None:
+    """The run's length: steps or epochs, exactly one (a streamed corpus has no epochs)."""
     if t.max_steps and t.num_epochs:
         raise DraftsmithError(f"train.max_steps={t.max_steps} and train.num_epochs={t.num_epochs} both set the "
                               "run's length: set one (train.max_steps=0 to train by epochs)")
     if not t.max_steps and not t.num_epochs:
         raise DraftsmithError("train.max_steps and train.num_epochs are both 0: set one of them to the run's length")
-    if target_section.path and target_section.max_position_embeddings != TargetSection.max_position_embeddings:
-        # It sizes only the tiny target built from these fields; a loaded target keeps its
-        # config's, so a value here would be silently ignored.
-        raise DraftsmithError(f"target.max_position_embeddings={target_section.max_position_embeddings} sizes only the tiny "
-                              f"target; target {target_section.path} has its own (remove the key)")
-    if recipe.data.streaming and t.num_epochs:
+    if data.streaming and t.num_epochs:
         raise DraftsmithError(f"train.num_epochs={t.num_epochs}: a streamed corpus (data.streaming) has no length "
                               "to count passes in; set train.max_steps")
-    if recipe.data.streaming and recipe.method.name and recipe.method.spec.reads_target_features:
-        raise DraftsmithError(f"data.streaming: streams pretraining text, and method {recipe.method.name} trains on "
-                              "conversations; remove the key")
-    if recipe.data.streaming and recipe.data.heldout_rows < 0:
-        raise DraftsmithError(f"data.heldout_rows: must be at least 0, got {recipe.data.heldout_rows}")
-    if target_section.path and (target_section.rope_theta or target_section.tie_word_embeddings):
-        raise DraftsmithError(f"target.rope_theta and target.tie_word_embeddings shape only a target built from the "
-                              f"recipe; target {target_section.path} has its own (remove the keys)")
-    if isinstance(t.resume, str) and not t.resume:
-        raise DraftsmithError("train.resume: expected true, false or a checkpoint folder, got ''")
-    if t.resume_changes not in RESUME_CHANGES:
-        raise DraftsmithError(f"train.resume_changes: expected one of {', '.join(RESUME_CHANGES)}, "
-                              f"got {t.resume_changes!r}")
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -62,9 +62,24 @@ class MethodSpec:
     speculators_type: str = ""
     # Options `eval` sets per run for every drafter of this method (variants included).
     decode_options: tuple[DecodeOption, ...] = ()
+    # vLLM (`eval --engine vllm`, eval/engine.py): the export formats whose printed `vllm serve` line
+    # serves this method's drafter, preferred first; or, for a method vLLM serves without an
+    # export, "module:function(path, num_draft, options) -> (speculative config, note)".
+    vllm_layouts: tuple[str, ...] = ()
+    vllm_config: str = ""
+    vllm_variants: tuple[str, ...] = ()  # decode variants vLLM drafts as we do (the others: one line)
     # train.* values as the method's reference sets them, where they differ from the schema's
     # defaults; a recipe or override that sets the key wins.
     train_defaults: dict[str, Any] = field(default_factory=dict)
+    # "module:function(plan: TilePlan) -> str": a line `draftsmith plan` prints for this method where the tile
+    # leaves room for drafts (how its drafter is sized by the tile rule, a block say; "" none).
+    plan_line: str = ""
+    # The --format choices whose writer also takes `latency_table=` (`export --latency-table`: a cost table it
+    # writes beside the weights); every writer takes (folder, out_dir, dtype).
+    latency_exports: tuple[str, ...] = ()
+    # Method keys (`method.*`) that shrink its drafter to a run of seconds on the tests' tiny targets
+    # (their golden curves and feature-cache runs read them; {}: its defaults already are small).
+    test_keys: dict[str, Any] = field(default_factory=dict)
 
     def load(self, field_name: str) -> Any:
         """What a "module:attribute" field names, imported: its config class, model class,
@@ -87,7 +102,8 @@ class MethodSpec:
 
     def refs(self) -> dict[str, str]:
         """Every "module:attribute" string of this entry, by the field that holds it."""
-        named = {"proposer": self.proposer, "config": self.config, "model": self.model, "training": self.training}
+        named = {"proposer": self.proposer, "config": self.config, "model": self.model, "training": self.training,
+                 "vllm_config": self.vllm_config, "plan_line": self.plan_line}
         return {**{k: v for k, v in named.items() if v}, **{f"exports[{fmt}]": ref for fmt, ref in self.exports.items()},
                 **{f"decode_options[{o.name}].check": o.check for o in self.decode_options}}
 
@@ -116,12 +132,18 @@ METHODS: dict[str, MethodSpec] = method_table(
     MethodSpec(
         "ngram", "prompt lookup: copies the continuation of the latest matching n-gram (no training)",
         proposer="draftsmith.eval.proposers.ngram:load_proposer", needs_path=False,
+        # ngram_earliest: the earliest match, the copy stopped at the context's end (transformers' and
+        # vLLM's policy), for engine-to-engine comparisons on equal drafts
+        variants={"ngram_earliest": {"latest": False, "extend": False}},
+        vllm_config="draftsmith.eval.proposers.ngram:vllm_config", vllm_variants=("ngram_earliest",),
     ),
     MethodSpec(
         "draft_lm", "an external small causal LM with the target's tokenizer, pretrained or distilled",
         proposer="draftsmith.eval.proposers.draft_lm:load_proposer",
         config="draftsmith.models.draft_lm:DraftLMConfig",
         training="draftsmith.train.draft_lm:DraftLMTraining",
+        vllm_config="draftsmith.eval.proposers.draft_lm:vllm_config",
+        test_keys={"hidden_size": 64},
     ),
     MethodSpec(
         "mtp", "DeepSeek-V3 multi-token-prediction modules trained jointly with the target",
@@ -135,6 +157,7 @@ METHODS: dict[str, MethodSpec] = method_table(
                  # Qwen3 targets: speculators' MTPDraftModel, module 1 (models/formats/mtp.py)
                  "speculators": "draftsmith.models.formats.mtp:write_speculators"},
         speculators_type="mtp",
+        vllm_layouts=("vllm",), vllm_variants=("mtp_nextn",),  # vLLM chains module 1 (design.md section 7)
         # Default: one row per draft, module k for draft k; mtp_nextn: module 1 for every draft (what
         # SGLang and vLLM run today); mtp_exact: DeepSeek's depths, recomputed.
         variants={"mtp_nextn": {"modules": 1}, "mtp_exact": {"mode": "exact"}},
@@ -153,7 +176,8 @@ METHODS: dict[str, MethodSpec] = method_table(
                   # EAGLE-2 as published: top-k children under sampling too (an ablation)
                   "eagle3_tree_topk": {"tree": True, "sampled_children": False}},
         foreign_layouts={"LlamaForCausalLMEagle3": "sglang/vllm"},  # SpecForge writes it too
-        speculators_type="eagle3",
+        speculators_type="eagle3", vllm_layouts=("vllm", "speculators"),
+        test_keys={"draft_vocab_size": 128, "ttt_length": 2},
     ),
     MethodSpec(
         "dflash", "DFlash: a block-diffusion drafter filling a block of masks in one forward",
@@ -162,10 +186,12 @@ METHODS: dict[str, MethodSpec] = method_table(
         formats="draftsmith.models.formats.dflash",
         training="draftsmith.train.dflash:DFlashTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
+        plan_line="draftsmith.models.dflash_tile:plan_line",
         exports={"zlab": "draftsmith.models.formats.dflash:write_zlab",
                  "speculators": "draftsmith.models.formats.dflash:write_speculators", "native": _NATIVE_EXPORT},
         foreign_layouts={"DFlashDraftModel": "zlab"},  # z-lab and SpecForge
-        speculators_type="dflash",
+        speculators_type="dflash", vllm_layouts=("zlab", "speculators"),
+        test_keys={"block_size": 4, "num_anchors": 8},
     ),
     MethodSpec(
         "dspark", "DSpark: DFlash's backbone plus a light serial refiner and a confidence head",
@@ -174,6 +200,7 @@ METHODS: dict[str, MethodSpec] = method_table(
         formats="draftsmith.models.formats.dspark",
         training="draftsmith.train.dspark:DSparkTraining", reads_target_features=True,
         train_defaults=_SPECFORGE_OPTIMIZER,
+        plan_line="draftsmith.models.dspark:plan_line", latency_exports=("sglang", "vllm", "deepspec"),
         # One Qwen3DSparkModel folder serves DeepSpec, SGLang and vLLM; SpecForge's trainer reads its own.
         exports={"sglang": "draftsmith.models.formats.dspark:write_qwen3_dspark",
                  "vllm": "draftsmith.models.formats.dspark:write_qwen3_dspark",
@@ -182,10 +209,12 @@ METHODS: dict[str, MethodSpec] = method_table(
                  "speculators": "draftsmith.models.formats.dspark:write_speculators", "native": _NATIVE_EXPORT},
         foreign_layouts={"DSparkDraftModel": "specforge", "Qwen3DSparkModel": "deepspec"},
         speculators_type="dspark",  # both block conventions (sample_from_anchor states which)
+        vllm_layouts=("vllm", "speculators"),
         decode_options=(DecodeOption(
             "confidence_threshold", metavar="C", check="draftsmith.models.dspark:check_threshold",
             help="dspark: end a draft before the first position whose confidence is below C, in [0, 1] "
                  "(default: the checkpoint's; 0 drafts the full block)"),),
+        test_keys={"block_size": 4, "num_anchors": 8, "markov_rank": 16},
     ),
 )
 

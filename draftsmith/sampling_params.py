@@ -1,5 +1,5 @@
 """How a token is drawn from logits: one type for the speculative decoder, its drafters and
-regeneration (data/regen_server.py extends it with a reply's length and stop tokens).
+regeneration (data/reply_decoding.py extends it with a reply's length and stop tokens).
 Here, in the core, because it imports no torch: regeneration through servers needs none."""
 
 from __future__ import annotations

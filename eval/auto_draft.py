@@ -17,6 +17,9 @@ For every drafter, before it decodes the evaluation prompts:
    T(d) = T_verify(d) + T_draft(d) + host(d) (models/latency.py: best_draft). On a GPU the
    cap is the tile rule's D (past it a verify pays a second tile); on a CPU, which has no
    tile, it is the table's largest d. d = 0 (no drafts) wins where no length pays.
+   A drafter with a tuning face (`Proposer.tuning`, eval/proposers/base.py) gets D and its
+   per-run options chosen together by it instead, from the passes it recorded (DSpark's
+   confidence threshold; the EAGLE-2 tree's width and depth, eval/proposers/eagle3_tree_tuning.py).
 
 The report keeps, per drafter, the chosen D, the tile rule's D and the whole curve.
 """
@@ -28,11 +31,11 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoding import Conversations, decode_conversations, decode_prompts, merge_stats, prompt_ids
 from draftsmith.models.latency import (
     PAST_TILE,
     LatencyTable,
     best_draft,
-    best_threshold,
     linear_cost,
     measure_latency,
 )
@@ -56,20 +59,6 @@ class AutoPlan:
                                   "max_draft": self.table.max_draft}}
 
 
-def check_table_fits(table: LatencyTable, target, device: torch.device) -> None:
-    """A table measured for another target or device prices the wrong passes: refuse it."""
-    from draftsmith.models.target import target_shape
-
-    shape = target_shape(target.config)
-    mine = {"layers": shape.num_layers, "hidden": shape.hidden_size, "heads": shape.num_heads,
-            "kv_heads": shape.num_kv_heads, "vocab": shape.vocab_size}
-    theirs = {k: (table.data.get("shape") or {}).get(k) for k in mine}
-    if theirs != mine:
-        raise DraftsmithError(f"{table.source}: measured for a target of {theirs}, this one is {mine}")
-    if table.data.get("device_type") != device.type:
-        raise DraftsmithError(f"{table.source}: measured on {table.data.get('device')}, eval runs on {device.type}")
-
-
 def plan_auto(target, plan, prompts: list[torch.Tensor], split: str, max_new_tokens: int,
               table_path: str = "", progress=None) -> AutoPlan:
     """The latency table (read, or measured here at the calibration's context) and the cap."""
@@ -78,8 +67,7 @@ def plan_auto(target, plan, prompts: list[torch.Tensor], split: str, max_new_tok
     device = next(target.parameters()).device
     context = sum(len(p) + max_new_tokens / 2 for p in prompts) / len(prompts)
     if table_path:
-        table = LatencyTable.read(table_path)
-        check_table_fits(table, target, device)
+        table = LatencyTable.read(table_path).check_fits(target.config, device.type)  # export's check too
     else:
         top = plan.D if device.type == "cuda" else plan.D + PAST_TILE
         limit = getattr(target.config, "max_position_embeddings", None)
@@ -94,34 +82,30 @@ def plan_auto(target, plan, prompts: list[torch.Tensor], split: str, max_new_tok
     return AutoPlan(table, cap, plan.D, prompts, split, context)
 
 
-def _per_pass(stats) -> tuple[list[float], float]:
-    """(acceptance per position, drafter + host ms per pass) of merged stats."""
+def _per_pass(stats) -> tuple[list[float], float, float]:
+    """(acceptance per position, drafter + host ms, host ms per pass) of merged stats."""
     passes = max(1, stats.verify_passes)
-    return stats.per_position_acceptance, 1000.0 * (stats.draft_s + stats.other_s) / passes
+    return (stats.per_position_acceptance, 1000.0 * (stats.draft_s + stats.other_s) / passes,
+            1000.0 * stats.other_s / passes)
 
 
-def choose(make_decoder, auto: AutoPlan, sampling, settings, plain_host_ms: float) -> tuple[int, dict]:
-    """(D, what the report keeps) for one drafter; `make_decoder(num_draft)` builds its decoder
-    over a proposer of its own (so the evaluated one's counters start at zero). The calibration
-    prompts are decoded as eval decodes its own (`decode_prompts`, seeded per prompt)."""
-    from draftsmith.eval.evaluate import decode_prompts, merge_stats
+def choose(proposer, make_decoder, auto: AutoPlan, sampling, settings, plain_host_ms: float) -> tuple[int, dict]:
+    """(D, what the report keeps) for one drafter, calibrated on `proposer`, one of its own (so
+    the evaluated one's counters start at zero); `make_decoder(proposer, num_draft)` builds its
+    decoder. The calibration prompts are decoded as eval decodes its own (`decode_prompts`,
+    seeded per prompt). The row's `options` (its tuning's) are for the evaluated drafter."""
 
     if auto.cap < 1:
         return 0, {"chosen": 0, "tile_rule_D": auto.tile_D, "cap": auto.cap, "curve": []}
-    runs, records = {}, None
+    runs, tuning = {}, proposer.tuning()
     for d in sorted({auto.cap, 1}, reverse=True):
-        decoder = make_decoder(d)
-        # A drafter that can end its draft early (DSpark's confidence head) drafts whole blocks
-        # while it records, and each pass at the cap prices every threshold (best_threshold).
-        recording = hasattr(decoder.proposer, "confidence_records")
-        if recording:
-            decoder.proposer.confidence_records = []
+        decoder = make_decoder(proposer, d)
+        if tuning is not None:
+            tuning.record(d)
         decoder.generate(auto.prompts[0][:8], 4, sampling)  # warm-up
-        stats, _ = decode_prompts(decoder, auto.prompts, settings, sampling, f"calibrate {decoder.proposer.name} D={d}")
+        stats, _ = decode_prompts(decoder, auto.prompts, settings, sampling, f"calibrate {proposer.name} D={d}")
         runs[d] = _per_pass(merge_stats(stats))
-        if recording and d == auto.cap:
-            records = decoder.proposer.confidence_records
-    acceptance, high = runs[auto.cap]
+    acceptance, high, host_ms = runs[auto.cap]
     low = runs[1][1]
     drafting = linear_cost((1, low), (auto.cap, high))
 
@@ -133,15 +117,16 @@ def choose(make_decoder, auto: AutoPlan, sampling, settings, plain_host_ms: floa
            "acceptance": acceptance, "draft_and_host_ms": {"1": low, str(auto.cap): high},
            "plain_host_ms": plain_host_ms, "curve": choice.curve,
            "predicted_tokens_per_s": choice.at(choice.num_draft)["tokens_per_s"]}
-    if records is None:
+    if tuning is None:
         return choice.num_draft, row
-    # The draft length and the confidence threshold chosen together; the evaluated proposer
-    # takes the threshold through `options`.
-    pair = best_threshold(records, pass_ms, auto.cap)
-    row.update(chosen=pair["num_draft"], confidence_threshold=pair["confidence_threshold"],
-               predicted_tokens_per_s=pair["tokens_per_s"],
-               threshold_curve=pair["curve"], options={"confidence_threshold": pair["confidence_threshold"]})
-    return pair["num_draft"], row
+    if tuning.prices_own_drafting:
+        tuned = tuning.choose(lambda d: auto.table.verify_ms(d, auto.context) + (host_ms if d else plain_host_ms),
+                              auto.cap)
+    else:
+        tuned = tuning.choose(pass_ms, auto.cap)
+    row.update(tuned.record, chosen=tuned.num_draft, predicted_tokens_per_s=tuned.tokens_per_s,
+               options=tuned.options, columns=tuned.columns, note=tuned.note)
+    return tuned.num_draft, row
 
 
 def calibration_prompts(settings, source, tokenizer, context: int, target=None, eos=None) -> tuple[list[torch.Tensor], str]:
@@ -152,7 +137,6 @@ def calibration_prompts(settings, source, tokenizer, context: int, target=None, 
     would calibrate them low)."""
     import dataclasses
 
-    from draftsmith.eval.evaluate import Conversations, decode_conversations, prompt_ids
 
     count = settings.calibration_prompts
     if not isinstance(source, Conversations):

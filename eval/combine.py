@@ -4,7 +4,7 @@ Drafters measured against different targets sit side by side: the demo's MTP hea
 measured on the tiny target they were pretrained with, every other drafter on the real one.
 The first report is the primary one: its target, settings and plain decoding head each
 setting. A row of another report is named `NAME (FOLDER)`, after its report's folder, and
-keeps its own target's plain decoding as the baseline of its speedup and bound; its tau
+keeps its own target's plain decoding as the reference of its speedup and bound; its tau
 compares with the primary rows only as far as the two targets' texts do (the page says so).
 
 The folder holds report.md and report.json (the settings' labels, each naming
@@ -20,10 +20,13 @@ import os
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval import engine_report
 from draftsmith.eval.report import (
+    PLAIN,
     TAU_NOTE,
     bound,
     check_report_dest,
+    plain_named,
     plot_setting,
     setting_label,
     setting_name,
@@ -32,19 +35,87 @@ from draftsmith.eval.report import (
     text_line,
 )
 from draftsmith.fsutil import atomic_dir, check_not_an_input, read_json, write_json
+from draftsmith.schema import Count, NonNegativeFloat, PositiveInt, Schema, validated
 
 SHOWN_POSITIONS = 4  # per-position acceptance columns in the table (the plots show every position)
 
 
+class _Target(Schema):
+    path: str
+    name: str | None = None
+    H: PositiveInt
+    KV: PositiveInt
+    G: PositiveInt
+    tile: PositiveInt
+    D: Count
+
+
+class _Settings(Schema):
+    dataset: str
+    num_prompts: Count
+    max_new_tokens: Count
+    temperature: NonNegativeFloat
+    top_k: Count
+    top_p: NonNegativeFloat
+    seed: Count
+
+
+class _Plain(Schema):
+    tokens_per_s: NonNegativeFloat
+    T_target_ms: NonNegativeFloat
+    distinct_4gram: NonNegativeFloat | None = None
+    looping_prompts: Count | None = None
+
+
+class _Drafter(Schema):
+    name: str
+    drafter: str
+    num_draft: Count
+    tau: NonNegativeFloat
+    tau_no_loop: NonNegativeFloat | None = None
+    verify_passes: Count
+    committed_tokens: Count
+    per_position_acceptance: list[NonNegativeFloat]
+    accepted_length_hist: list[Count]
+    tokens_per_s: NonNegativeFloat
+    speedup: NonNegativeFloat
+    T_draft_ms: NonNegativeFloat
+    T_verify_ms: NonNegativeFloat
+
+
+class SettingReport(Schema):
+    """One setting's report.json as eval writes it (eval/report.py's _REQUIRED keys, typed):
+    what `draftsmith report` and the bench scripts read of it."""
+
+    target: _Target
+    settings: _Settings
+    plain: _Plain
+    drafters: list[_Drafter]
+
+
+class _Index(Schema):
+    runs: dict[str, str]
+
+
 def read_runs(report_dir: str | Path) -> dict[str, dict]:
-    """Setting label (t0, t0.7, ...) -> that setting's results, from an eval output folder."""
+    """Setting label (t0, t0.7, ...) -> that setting's results, from an eval output folder;
+    each report.json checked (SettingReport) where it is read, the one reader of them (one
+    written before plain decoding was named "plain" read too: report.py's plain_named)."""
     report_dir = Path(report_dir)
     if not (report_dir / "report.json").is_file():
         raise DraftsmithError(f"report {report_dir}: no report.json (an output folder of draftsmith eval)")
     index = read_json(report_dir / "report.json")
     if "runs" not in index:  # a single-setting report
-        return {setting_label(index): index}
-    return {label: read_json(report_dir / rel) for label, rel in index["runs"].items()}
+        results = _setting(index, report_dir / "report.json")
+        return {setting_label(results): results}
+    runs = validated(_Index, index, str(report_dir / "report.json")).runs
+    return {label: _setting(read_json(report_dir / rel), report_dir / rel) for label, rel in runs.items()}
+
+
+def _setting(results: dict, path: Path) -> dict:
+    results = plain_named(results)
+    validated(SettingReport, results, str(path))
+    return results
 
 
 def _check_settings(reports: list[tuple[Path, dict]]) -> None:
@@ -78,9 +149,9 @@ def _suffixes(folders: list[Path]) -> list[str]:
 def _rows(results: dict, suffix: str, report: int) -> list[dict]:
     """The drafters of report number `report`, each naming its target and priced against its
     own report's plain decoding."""
-    baseline, target = results["baseline"], results["target"]
+    plain, target = results[PLAIN], results["target"]
     return [{**d, "name": f"{d['name']} ({suffix})" if suffix else d["name"], "target_name": target_name(target),
-             "report": report, "bound": bound(d, baseline)} for d in results["drafters"]]
+             "report": report, "bound": bound(d, plain)} for d in results["drafters"]]
 
 
 def combine_reports(report_dirs: list[str | Path], out_dir: str | Path) -> Path:
@@ -112,7 +183,7 @@ def combine_reports(report_dirs: list[str | Path], out_dir: str | Path) -> Path:
             raise DraftsmithError(f"report: two drafters named alike in setting {label} ({', '.join(names)})")
         merged[label] = {**primary, "drafters": rows,
                          "others": [{"report": str(folder), "suffix": suffix, "target": runs[label]["target"],
-                                     "baseline": runs[label]["baseline"], "settings": runs[label]["settings"]}
+                                     PLAIN: runs[label][PLAIN], "settings": runs[label]["settings"]}
                                     for (folder, runs), suffix in zip(reports[1:], suffixes[1:])]}
     out_dir = Path(out_dir)
     with atomic_dir(out_dir) as tmp:
@@ -129,25 +200,27 @@ def combine_reports(report_dirs: list[str | Path], out_dir: str | Path) -> Path:
 def _table(results: dict) -> list[str]:
     positions = min(SHOWN_POSITIONS, max(r["num_draft"] for r in results["drafters"]))
     no_loop = any(r.get("tau_no_loop") is not None for r in results["drafters"])
+    engine = engine_report.has_engine(results) or any(engine_report.has_engine(o) for o in results["others"])
     header = ["drafter", "target", "D", "tau", *(["tau, no loop"] if no_loop else []), "tokens/s", "speedup",
-              "bound", *(f"accepted {k}" for k in range(1, positions + 1))]
+              "bound", *(f"accepted {k}" for k in range(1, positions + 1)), *(engine_report.HEADER if engine else [])]
     lines = ["| " + " | ".join(header) + " |", "| --- | --- |" + " ---: |" * (len(header) - 2)]
-    plain = [("plain decoding", results["target"], results["baseline"]),
-             *((f"plain decoding ({o['suffix']})", o["target"], o["baseline"]) for o in results["others"])]
-    for i, (name, target, baseline) in enumerate(plain):
+    plain = [("plain decoding", results["target"], results[PLAIN]),
+             *((f"plain decoding ({o['suffix']})", o["target"], o[PLAIN]) for o in results["others"])]
+    for i, (name, target, figures) in enumerate(plain):
         lines.append("| " + " | ".join([name, f"`{target_name(target)}`", "0", "1.00", *(["1.00"] if no_loop else []),
-                                        f"{baseline['tokens_per_s']:.1f}", "1.00x", "-", *["-"] * positions]) + " |")
-        lines += [_row(r, positions, no_loop) for r in results["drafters"] if r["report"] == i]
+                                        f"{figures['tokens_per_s']:.1f}", "1.00x", "-", *["-"] * positions,
+                                        *(engine_report.cells(figures.get("engine"), plain=True) if engine else [])]) + " |")
+        lines += [_row(r, positions, no_loop, engine) for r in results["drafters"] if r["report"] == i]
     return lines
 
 
-def _row(r: dict, positions: int, no_loop: bool) -> str:
+def _row(r: dict, positions: int, no_loop: bool, engine: bool) -> str:
     """One drafter's row."""
     split = r.get("tau_no_loop")
     accepted = [f"{r['per_position_acceptance'][k]:.2f}" if k < r["num_draft"] else "-" for k in range(positions)]
     cells = [r["name"], f"`{r['target_name']}`", str(r["num_draft"]), f"{r['tau']:.2f}",
              *([f"{split:.2f}" if split is not None else "-"] if no_loop else []), f"{r['tokens_per_s']:.1f}",
-             f"{r['speedup']:.2f}x", f"{r['bound']:.2f}x", *accepted]
+             f"{r['speedup']:.2f}x", f"{r['bound']:.2f}x", *accepted, *(engine_report.cells(r.get("engine")) if engine else [])]
     return "| " + " | ".join(cells) + " |"
 
 

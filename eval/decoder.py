@@ -14,7 +14,7 @@ Plain decoding is the same loop with an empty draft every step (`generate_plain`
 
 `cache_kind="static"` keeps the target's KV in a preallocated transformers StaticCache owned by
 the decoder and reused by every sequence (so one sequence in flight per decoder); its
-rollback is a move of the write position (models/target.py). `compile=True` (static cache
+rollback is a move of the write position (models/target_cache.py). `compile=True` (static cache
 only) runs the verify forward under torch.compile, CUDA graphs on CUDA: every verify is
 padded to 1 + D rows so that one graph serves all steps. The pad rows come after the real
 ones and only see the prefix and themselves, so the real rows' results are unchanged; D is
@@ -40,23 +40,22 @@ from draftsmith.eval.sampling import (
     next_token,
     process_logits,
 )
-from draftsmith.models.target import (
-    CompiledVerify,
+from draftsmith.eval.settings import CACHE_KINDS
+from draftsmith.fields import DEFAULT_TILE
+from draftsmith.models.compiled_verify import CompiledVerify
+from draftsmith.models.target import check_capturable, target_forward
+from draftsmith.models.target_cache import (
     cache_length,
-    check_capturable,
     crop_cache,
     keep_cache_rows,
     new_cache,
     new_static_cache,
-    target_forward,
     tree_cache_problem,
 )
 from draftsmith.models.tile import plan_tile
 
-CACHE_KINDS = ("dynamic", "static")
 
-
-def default_num_draft(config, tile: int = 128, tp: int = 1) -> int:
+def default_num_draft(config, tile: int = DEFAULT_TILE, tp: int = 1) -> int:
     """Drafts per verify that keep it in one attention tile: D = max(0, tile // G - 1),
     G the query heads per KV head (the tile planner, docs/design.md section 3)."""
     fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
@@ -72,6 +71,7 @@ class DecodeStats:
     committed: int = 0  # tokens committed by verify passes (the prefill's token excluded)
     accepted_hist: list[int] = field(default_factory=list)  # [D + 1]: steps with a drafts kept
     position_accepted: list[int] = field(default_factory=list)  # [D]: steps keeping draft k
+    accepted_steps: list[int] = field(default_factory=list)  # drafts kept, verify pass by verify pass
     prefill_s: float = 0.0  # target prefill + the drafter's begin
     draft_s: float = 0.0  # propose + commit of the drafter
     verify_s: float = 0.0  # target forward of the verify pass
@@ -99,6 +99,7 @@ class DecodeStats:
         self.verify_passes += 1
         self.committed += committed
         self.accepted_hist[accepted] += 1
+        self.accepted_steps.append(accepted)
         for k in range(accepted):
             self.position_accepted[k] += 1
 
@@ -110,6 +111,7 @@ class DecodeStats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
         out.position_accepted = [a + b for a, b in zip(self.position_accepted, other.position_accepted)]
+        out.accepted_steps = self.accepted_steps + other.accepted_steps
         return out
 
     def as_dict(self) -> dict:
@@ -255,7 +257,7 @@ class SpeculativeDecoder:
         self.eos = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         self.device = next(target.parameters()).device
         self._capture = tuple(sorted(set(proposer.capture_layers)))
-        check_capturable(target, self._capture, f"drafter {getattr(proposer, 'name', type(proposer).__name__)}")
+        check_capturable(target, self._capture, f"drafter {proposer.name}")
         self._tree_mask = _TreeMask(next(target.parameters()).dtype, self.device)
         self._plain: SpeculativeDecoder | None = None
         self._compiled = CompiledVerify(target, self._capture) if self.compile else None

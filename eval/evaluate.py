@@ -14,16 +14,28 @@ decoding: a mismatch is a bug in a drafter or the decoder, and the run stops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.decoder import CACHE_KINDS, DecodeStats, SpeculativeDecoder
+from draftsmith.eval.auto_draft import calibration_prompts, choose, plan_auto
+from draftsmith.eval.decoder import CACHE_KINDS, SpeculativeDecoder
+from draftsmith.eval.decoding import (
+    Conversations,
+    decode_conversations,
+    decode_prompts,
+    long_enough,
+    merge_stats,
+    per_pass_ms,
+    pool_factor,
+    prompt_ids,
+    tokens_per_s,
+)
 from draftsmith.eval.proposers import parse_drafter_arg, proposer_from_arg
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.report import (
+    PLAIN,
     check_report_dest,
     distinct_4gram_ratio,
     format_table,
@@ -38,132 +50,8 @@ from draftsmith.eval.report import (
 from draftsmith.eval.settings import AUTO, NUM_DRAFT_WORDS, EvalSettings
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.latency import PAST_TILE
-from draftsmith.models.target import find_model_dir
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.tile import plan_tile, read_target_config
-
-
-def prompt_ids(tokenizer, settings: EvalSettings, context: int, count: int | None = None, split: str = "test",
-               which: str = "prompt") -> list[torch.Tensor]:
-    """Token ids of the embedded default's prompts: held-out corpus prefixes as plain text
-    (`count` of them, default settings.num_prompts, from the corpus's `split`)."""
-    from draftsmith.data.corpus import corpus_prompts
-
-    count = count or settings.num_prompts
-    texts = corpus_prompts(count * pool_factor(settings), max_chars=settings.prompt_chars, split=split)
-    ids = long_enough([tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts], count, settings,
-                      f"held-out excerpts of {settings.prompt_chars} characters (--prompt-chars)")
-    for i, row in enumerate(ids):
-        _check_context(row, settings, context, f"{which} {i}")
-    return [torch.tensor(row, dtype=torch.long) for row in ids]
-
-
-# With --min-prompt-tokens, prompts are drawn from this many times as many candidates.
-LONG_PROMPT_POOL = 8
-
-
-def pool_factor(settings: EvalSettings) -> int:
-    return LONG_PROMPT_POOL if settings.min_prompt_tokens else 1
-
-
-def long_enough(rows: list, count: int, settings: EvalSettings, what: str, length=len) -> list:
-    """The first `count` of `rows` whose `length` is at least --min-prompt-tokens; too few is one line."""
-    kept = [row for row in rows if length(row) >= settings.min_prompt_tokens][:count]
-    if len(kept) < count:
-        raise DraftsmithError(f"--min-prompt-tokens {settings.min_prompt_tokens}: {len(kept)} of {len(rows)} {what} "
-                              f"are that long, fewer than the {count} asked for")
-    return kept
-
-
-def _check_context(row: list[int], settings: EvalSettings, context: int, which: str) -> None:
-    if len(row) + settings.max_new_tokens > context:
-        raise DraftsmithError(f"dataset {settings.dataset}: {which} has {len(row)} tokens; with "
-                              f"max_new_tokens={settings.max_new_tokens} that exceeds the target's context "
-                              f"(less the drafts of a verify pass) of {context}")
-
-
-@dataclass
-class Conversations:
-    """A conversation dataset and how its turns are rendered (eval/prompts.py)."""
-    turns: list  # EvalConversation per conversation
-    tokenizer: object
-    template: str | None
-    template_kwargs: dict
-    context: int  # positions a prompt and its answer may fill
-
-    def longest(self, settings: EvalSettings) -> int:
-        """A bound on the longest prompt, known before any answer is: every turn with an empty
-        answer, plus max_new_tokens (and slack for re-tokenizing the answer's text) per turn."""
-        from draftsmith.eval.prompts import render_turn
-
-        bounds = []
-        for turns in self.turns:
-            history = [m for asked in turns for m in (*asked, {"role": "assistant", "content": ""})][:-1]
-            rendered = len(render_turn(self.tokenizer, history, self.template, self.template_kwargs))
-            bounds.append(rendered + (len(turns) - 1) * (settings.max_new_tokens + 8))
-        return min(max(bounds), self.context)
-
-    def prompt(self, history: list[dict], settings: EvalSettings, which: str) -> torch.Tensor:
-        from draftsmith.eval.prompts import render_turn
-
-        row = render_turn(self.tokenizer, history, self.template, self.template_kwargs)
-        _check_context(row, settings, self.context, which)
-        return torch.tensor(row, dtype=torch.long)
-
-
-def decode_conversations(decoder, data: Conversations, settings, sampling, progress: str):
-    """Every user turn of every conversation decoded in order, each after the decoder's own
-    answers to the turns before it: (prompts, per-prompt stats, outputs), flat, in the
-    order `decode_prompts` then replays them (prompt i seeded with seed + i)."""
-    from tqdm.auto import tqdm
-
-    prompts, per_prompt, outputs = [], [], []
-    total = sum(len(turns) for turns in data.turns)
-    with tqdm(total=total, desc=progress, leave=False, dynamic_ncols=True) as bar:
-        for c, turns in enumerate(data.turns):
-            history: list[dict] = []
-            for t, asked in enumerate(turns):
-                history += asked
-                prompt = data.prompt(history, settings, f"conversation {c} turn {t + 1}")
-                generator = torch.Generator(device=decoder.device).manual_seed(settings.seed + len(prompts))
-                result = decoder.generate(prompt, settings.max_new_tokens, sampling, generator)
-                tokens = result.tokens.tolist()
-                prompts.append(prompt)
-                outputs.append(tokens)
-                per_prompt.append(result.stats)
-                answer = tokens[:next((k for k, tok in enumerate(tokens) if tok in decoder.eos), len(tokens))]
-                history.append({"role": "assistant",
-                                "content": data.tokenizer.decode(answer, skip_special_tokens=True)})
-                bar.update(1)
-    return prompts, per_prompt, outputs
-
-
-def decode_prompts(decoder, prompts, settings, sampling, progress: str):
-    """Each prompt decoded with its own seed: (per-prompt stats, outputs)."""
-    from tqdm.auto import tqdm
-
-    per_prompt, outputs = [], []
-    for i, prompt in enumerate(tqdm(prompts, desc=progress, leave=False, dynamic_ncols=True)):
-        generator = torch.Generator(device=decoder.device).manual_seed(settings.seed + i)
-        result = decoder.generate(prompt, settings.max_new_tokens, sampling, generator)
-        outputs.append(result.tokens.tolist())
-        per_prompt.append(result.stats)
-    return per_prompt, outputs
-
-
-def merge_stats(stats: list[DecodeStats]) -> DecodeStats | None:
-    """One DecodeStats summing those given (None for none)."""
-    merged = None
-    for s in stats:
-        merged = s if merged is None else merged.merge(s)
-    return merged
-
-
-def _per_pass_ms(stats: DecodeStats, seconds: float) -> float:
-    return 1000.0 * seconds / max(1, stats.verify_passes)
-
-
-def _tokens_per_s(stats: DecodeStats, outputs: list[list[int]]) -> float:
-    return sum(len(o) for o in outputs) / max(stats.total_s, 1e-9)
 
 
 def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Path) -> list[dict]:
@@ -180,6 +68,11 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
         raise DraftsmithError("eval: --compile needs --cache static (a compiled graph replays fixed shapes at fixed "
                               "addresses)")
     check_report_dest(out_dir)  # cheap checks before any model is loaded
+    engine = None
+    if settings.engine:
+        from draftsmith.eval.engine import check_engine
+
+        engine = check_engine(settings)
     if settings.max_new_tokens < 1 or settings.num_prompts < 1:
         raise DraftsmithError(f"eval: --max-new-tokens ({settings.max_new_tokens}) and --num-prompts "
                               f"({settings.num_prompts}) must be at least 1")
@@ -225,6 +118,10 @@ def evaluate(target_path: str | Path, settings: EvalSettings, out_dir: str | Pat
         results["target"] = {"path": str(folder), "name": str(target_path), "H": plan.H, "KV": plan.KV, "G": plan.G,
                              "tile": plan.tile, "D": plan.D if auto else num_draft}
         runs.append(results)
+    if engine:  # the serving engine on the same prompts, beside each row (eval/engine.py)
+        from draftsmith.eval.engine import add_engine_columns
+
+        add_engine_columns(runs, settings, folder, engine)
     if len(runs) == 1:
         write_report(runs[0], out_dir)
     else:
@@ -239,8 +136,6 @@ def _plan_auto(target, plan, settings: EvalSettings, source, tokenizer, context:
     """The calibration prompts and the latency table of --num-draft auto (eval/auto_draft.py)."""
     import logging
 
-    from draftsmith.eval.auto_draft import calibration_prompts, plan_auto
-
     prompts, split = calibration_prompts(settings, source, tokenizer, context, target, eos)
     log = logging.getLogger(__name__)
     auto = plan_auto(target, plan, prompts, split, settings.max_new_tokens, settings.latency_table, log.info)
@@ -253,7 +148,7 @@ def _source(target, tokenizer, settings: EvalSettings, context: int):
     embedded prompts as plain text, or a conversation dataset's turns through the chat
     template, ended by the template's end of turn as well (a served chat model stops there)."""
     from draftsmith.data.chat import chat_format
-    from draftsmith.data.regen_server import stop_token_ids
+    from draftsmith.data.reply_decoding import stop_token_ids
     from draftsmith.eval.prompts import eval_conversations, render_turn
 
     if settings.dataset == "embedded":
@@ -283,35 +178,33 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
         decoder_options["max_cache_len"] = longest + settings.max_new_tokens + num_draft
     # First calls pay one-off costs; with compile, CUDA graphs trace, then record, then replay.
     warm_ups = 3 if settings.compile else 1
-    baseline_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **decoder_options)
+    plain_decoder = SpeculativeDecoder(target, NoProposer(), num_draft=0, **decoder_options)
     for _ in range(warm_ups):
-        baseline_decoder.generate(first[:8], 4, sampling)
+        plain_decoder.generate(first[:8], 4, sampling)
     if conversations:  # the later turns' prompts hold plain decoding's answers to the earlier ones
-        prompts, base_runs, base_out = decode_conversations(baseline_decoder, conversations, settings, sampling,
+        prompts, base_runs, base_out = decode_conversations(plain_decoder, conversations, settings, sampling,
                                                             "plain decoding")
     else:
         prompts = source
-        base_runs, base_out = decode_prompts(baseline_decoder, prompts, settings, sampling, "plain decoding")
+        base_runs, base_out = decode_prompts(plain_decoder, prompts, settings, sampling, "plain decoding")
     base_stats = merge_stats(base_runs)
-    t_target = _per_pass_ms(base_stats, base_stats.verify_s)
-    base_tps = _tokens_per_s(base_stats, base_out)
+    t_target = per_pass_ms(base_stats, base_stats.verify_s)
+    base_tps = tokens_per_s(base_stats, base_out)
     # Which prompts' plain text loops: there tau measures copying the loop (report.loops).
     looping = [loops(o) for o in base_out]
     steps: dict[str, list[list[int]]] = {}
+    accepted: dict[str, list[list[int]]] = {}  # per prompt, the drafts each verify pass kept
 
-    rows, outputs = [], {"baseline": base_out}
+    rows, outputs = [], {PLAIN: base_out}
     unique = len({p.name for p in proposers}) == len(proposers)
     for arg, proposer in zip(settings.drafters, proposers):
         chosen, auto_row = num_draft, None
         if auto is not None:
-            from draftsmith.eval.auto_draft import choose
-
             calibrating = proposer_from_arg(arg, target, settings.proposer_options)  # its own counters
-            plain_host = _per_pass_ms(base_stats, base_stats.other_s)
-            chosen, auto_row = choose(lambda d: SpeculativeDecoder(target, calibrating, num_draft=d, **decoder_options),
+            plain_host = per_pass_ms(base_stats, base_stats.other_s)
+            chosen, auto_row = choose(calibrating, lambda p, d: SpeculativeDecoder(target, p, num_draft=d, **decoder_options),
                                       auto, sampling, settings, plain_host)
-        for option, value in (auto_row or {}).get("options", {}).items():  # chosen with D (DSpark's threshold)
-            setattr(proposer, option, value)
+            proposer.set_options(**auto_row.get("options", {}))  # its tuning's, chosen with D
         decoder = SpeculativeDecoder(target, proposer, num_draft=chosen, **decoder_options)
         for _ in range(warm_ups):
             decoder.generate(prompts[0][:8], 4, sampling)
@@ -322,11 +215,11 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
             for i, (mine, plain) in enumerate(zip(out, base_out)):
                 if mine != plain:
                     raise DraftsmithError(f"lossless check failed: drafter {arg} changed the greedy output of prompt {i}")
-        tps = _tokens_per_s(stats, out)
-        t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
+        tps = tokens_per_s(stats, out)
+        t_draft, t_verify = per_pass_ms(stats, stats.draft_s), per_pass_ms(stats, stats.verify_s)
         row = {
             "name": proposer.name if unique else arg,
-            "drafter": arg, "weights": getattr(proposer, "weights", None), "num_draft": chosen, "tau": stats.tau,
+            "drafter": arg, "weights": proposer.weights, "num_draft": chosen, "tau": stats.tau,
             "tau_no_loop": no_loop.tau if no_loop is not None else None,
             "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
@@ -335,14 +228,15 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
             "bound": speedup_bound(stats.tau, t_target, t_draft, t_verify),
             "T_draft_ms": t_draft, "T_verify_ms": t_verify,
         }
-        extra = getattr(proposer, "report_extra", None)
-        if callable(extra):
-            row["extra"] = extra()
+        extra = proposer.report_extra()
+        if extra:
+            row["extra"] = extra
         if auto_row is not None:
             row["num_draft_auto"] = auto_row
         rows.append(row)
         outputs[row["name"]] = out
         steps[row["name"]] = [[r.committed, r.verify_passes] for r in runs]
+        accepted[row["name"]] = [r.accepted_steps for r in runs]
 
     chat = {}
     if conversations:  # how the prompts were rendered: what a published table must match
@@ -352,12 +246,14 @@ def _run(target, proposers, source, settings: EvalSettings, sampling: SamplingPa
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": settings.max_new_tokens,
                      "temperature": sampling.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
                      "seed": settings.seed, "cache": settings.cache_kind, "compile": settings.compile,
-                     "min_prompt_tokens": settings.min_prompt_tokens, **chat},
-        "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target,
-                     "distinct_4gram": distinct_4gram_ratio(base_out), "looping_prompts": sum(looping)},
+                     "min_prompt_tokens": settings.min_prompt_tokens,
+                     "stop_token_ids": sorted(plain_decoder.eos), **chat},
+        PLAIN: {"tokens_per_s": base_tps, "T_target_ms": t_target,
+                "distinct_4gram": distinct_4gram_ratio(base_out), "looping_prompts": sum(looping)},
         "drafters": rows,
         "prompts": [{"prompt_ids": p.tolist(), "outputs": {name: o[i] for name, o in outputs.items()},
-                     "loops": looping[i], "steps": {name: s[i] for name, s in steps.items()}}
+                     "loops": looping[i], "steps": {name: s[i] for name, s in steps.items()},
+                     "accepted": {name: a[i] for name, a in accepted.items()}}
                     for i, p in enumerate(prompts)],
     }
     if auto is not None:

@@ -71,7 +71,7 @@ def eval_conversations(dataset: str, limit: int) -> list[EvalConversation]:
     """The user side of the first `limit` conversations of `dataset`: a benchmark name
     (`BENCHMARKS`), or a file, folder or hub dataset data/conversations.py reads."""
     from draftsmith.data.conversations import STDLIB_INSTRUCTIONS, load_conversations
-    from draftsmith.data.regen_server import user_turns
+    from draftsmith.data.reply_decoding import user_turns
 
     if dataset in BENCHMARKS:
         return [[[{"role": "user", "content": text}] for text in turns] for turns in benchmark_turns(dataset, limit)]

@@ -4,7 +4,7 @@ The results a benchmark hands to `write_report` (report.json is this dict as giv
 
     target:   {path, H, KV, G, tile, D}          the target's tile plan (eval/tile.py)
     settings: {dataset, num_prompts, max_new_tokens, temperature, top_k, top_p, seed}
-    baseline: {tokens_per_s, T_target_ms}        plain decoding: same target, prompts, settings, run;
+    plain:    {tokens_per_s, T_target_ms}        plain decoding: same target, prompts, settings, run;
               optional distinct_4gram, looping_prompts (how many of its texts loop)
     drafters: [{
         name, drafter,                           display name; the --drafter argument (NAME[:PATH])
@@ -15,16 +15,21 @@ The results a benchmark hands to `write_report` (report.json is this dict as giv
         verify_passes, committed_tokens,
         per_position_acceptance: [D floats],     k = 1..D: fraction of passes accepting draft k
         accepted_length_hist: [D + 1 ints],      [i]: passes that accepted exactly i drafts
-        tokens_per_s, speedup,                   measured; speedup = tokens_per_s / baseline's
+        tokens_per_s, speedup,                   measured; speedup = tokens_per_s / plain's
         bound,                                   optional; if given, must equal speedup_bound(...)
         T_draft_ms, T_verify_ms,                 mean time per verify pass to draft and to verify
         extra: {name: value},                    optional, method-specific (e.g. early_stop_rate)
+        engine, engine_<layout>: {...}           optional, the serving engine's figures for this
+                                                 drafter (eval/engine_report.py; plain.engine too)
     }]
-    prompts:  [{prompt_ids: [...], outputs: {drafter name or "baseline": [ids]},
-                loops: bool, steps: {drafter name: [committed, verify passes]}}]   optional
+    prompts:  [{prompt_ids: [...], outputs: {drafter name or "plain": [ids]},
+                loops: bool, steps: {drafter name: [committed, verify passes]},
+                accepted: {drafter name: [drafts kept per verify pass]}}]   optional
 
 Times are milliseconds. tau follows EAGLE, SGLang, SpecForge, DFlash and Spec-Bench: the
 bonus (or resampled) token counts, so plain decoding scores 1 (docs/design.md section 4).
+Reports written before plain decoding was named "plain" hold it under "baseline"; their
+readers take them through `plain_named`.
 """
 
 from __future__ import annotations
@@ -33,12 +38,15 @@ import math
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval import engine_report
 from draftsmith.fsutil import atomic_dir, check_replaceable, write_json
 
+PLAIN = "plain"  # plain decoding's key: its figures (results[PLAIN]) and each prompt's outputs[PLAIN]
+_OLD_PLAIN = "baseline"  # the same, in reports written before it was named "plain"
 _REQUIRED = {
     "target": ("path", "H", "KV", "G", "tile", "D"),
     "settings": ("dataset", "num_prompts", "max_new_tokens", "temperature", "top_k", "top_p", "seed"),
-    "baseline": ("tokens_per_s", "T_target_ms"),
+    PLAIN: ("tokens_per_s", "T_target_ms"),
 }
 _DRAFTER_REQUIRED = (
     "name", "drafter", "num_draft", "tau", "verify_passes", "committed_tokens",
@@ -106,12 +114,12 @@ def setting_name(settings: dict) -> str:
 
 
 def text_line(results: dict) -> str:
-    s, d4 = results["settings"], results["baseline"].get("distinct_4gram")
+    s, d4 = results["settings"], results[PLAIN].get("distinct_4gram")
     line = f"{s['num_prompts']} prompts from `{s['dataset']}`, {s['max_new_tokens']} new tokens each."
     if d4 is not None:
         line += (f" Plain decoding's text has {d4:.2f} distinct 4-grams per 4-gram (1: no repeats; "
                  "near 0: a loop, which n-gram lookup copies and no drafter needs to learn).")
-    looping = results["baseline"].get("looping_prompts")
+    looping = results[PLAIN].get("looping_prompts")
     if looping is not None:
         line += (f" On {looping} of the {s['num_prompts']} prompts it loops (under {LOOP_RATIO} distinct "
                  "4-grams); \"tau, no loop\" counts the other prompts only.")
@@ -155,7 +163,7 @@ def write_report(results: dict, out_dir: str | Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / "report.json", results)
         (tmp / "report.md").write_text(_markdown(results), encoding="utf-8")
-        plot_setting(results["drafters"], [bound(d, results["baseline"]) for d in results["drafters"]], tmp)
+        plot_setting(results["drafters"], [bound(d, results[PLAIN]) for d in results["drafters"]], tmp)
         _plot_accepted_lengths(results["drafters"], tmp / "accepted_lengths.png")
         if any("num_draft_auto" in d for d in results["drafters"]):
             _plot_num_draft(results["drafters"], tmp / AUTO_PLOT)
@@ -193,28 +201,53 @@ def _drafter_table(results: dict) -> str:
     header = ["drafter", *(["weights"] if weights else []), "D", "tau", *(["tau, no loop"] if split else []),
               "tokens/s", "speedup", "bound", "T_draft ms", "T_verify ms"]
     header += [key.replace("_", " ") for key in extras]
-    baseline = results["baseline"]
+    engine = engine_report.has_engine(results)
+    header += engine_report.HEADER if engine else []
+    plain = results[PLAIN]
     rows = [["plain decoding", *(["-"] if weights else []), "0", "1.00", *(["1.00"] if split else []),
-             f"{baseline['tokens_per_s']:.1f}", "1.00x", "-", "-", "-"] + ["-"] * len(extras)]
+             f"{plain['tokens_per_s']:.1f}", "1.00x", "-", "-", "-"] + ["-"] * len(extras)
+            + (engine_report.cells(plain.get("engine"), plain=True) if engine else [])]
     for d in drafters:
         no_loop = d.get("tau_no_loop")
         row = [
             d["name"], *([d.get("weights") or "-"] if weights else []), str(d["num_draft"]), f"{d['tau']:.2f}",
             *([f"{no_loop:.2f}" if no_loop is not None else "-"] if split else []), f"{d['tokens_per_s']:.1f}",
-            f"{d['speedup']:.2f}x", f"{bound(d, baseline):.2f}x",
+            f"{d['speedup']:.2f}x", f"{bound(d, plain):.2f}x",
             f"{d['T_draft_ms']:.2f}", f"{d['T_verify_ms']:.2f}",
         ]
         row += [_cell((d.get("extra") or {}).get(key)) for key in extras]
-        rows.append(row)
+        rows.append(row + (engine_report.cells(d.get("engine")) if engine else []))
     align = ["---"] + ["---:"] * (len(header) - 1)
     return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *rows])
 
 
-def bound(drafter: dict, baseline: dict) -> float:
-    """tau * T_target / (T_draft + T_verify): the speedup the measured times allow."""
+def bound(drafter: dict, plain: dict) -> float:
+    """tau * T_target / (T_draft + T_verify): the speedup the measured times allow (`plain`:
+    plain decoding's figures, T_target among them)."""
     return speedup_bound(
-        drafter["tau"], baseline["T_target_ms"], drafter["T_draft_ms"], drafter["T_verify_ms"]
+        drafter["tau"], plain["T_target_ms"], drafter["T_draft_ms"], drafter["T_verify_ms"]
     )
+
+
+def plain_named(results):
+    """A report.json's results as this version names them: one written before plain decoding
+    was named "plain" (its figures, each prompt's outputs and a combined report's `others`
+    under "baseline") renamed; any other value as it is (its reader's check judges it)."""
+    if not isinstance(results, dict) or _OLD_PLAIN not in results or PLAIN in results:
+        return results
+    renamed = {PLAIN if key == _OLD_PLAIN else key: value for key, value in results.items()}
+    if isinstance(renamed.get("prompts"), list):
+        renamed["prompts"] = [_outputs_renamed(p) for p in renamed["prompts"]]
+    if isinstance(renamed.get("others"), list):
+        renamed["others"] = [plain_named(other) for other in renamed["others"]]
+    return renamed
+
+
+def _outputs_renamed(prompt):
+    outputs = prompt.get("outputs") if isinstance(prompt, dict) else None
+    if not isinstance(outputs, dict):
+        return prompt
+    return {**prompt, "outputs": {PLAIN if name == _OLD_PLAIN else name: ids for name, ids in outputs.items()}}
 
 
 def _cell(value) -> str:
@@ -243,7 +276,7 @@ def _check(results: dict) -> None:
                 f"accepted_length_hist {num_draft + 1} for num_draft {num_draft}"
             )
         # A bound computed elsewhere with another tau convention would silently mislead.
-        expected = bound(d, results["baseline"])
+        expected = bound(d, results[PLAIN])
         if "bound" in d and not math.isclose(d["bound"], expected, rel_tol=0.01):
             raise DraftsmithError(
                 f"{where}.bound is {d['bound']}, but tau * T_target / (T_draft + T_verify) = {expected:.4g}"
@@ -259,7 +292,7 @@ def _require(obj: dict, key: str, where: str) -> None:
 
 
 def _markdown(results: dict) -> str:
-    target, settings, baseline = results["target"], results["settings"], results["baseline"]
+    target, settings, plain = results["target"], results["settings"], results[PLAIN]
     drafters = results["drafters"]
     # How a conversation dataset's prompts were rendered, where eval recorded it (eval/prompts.py).
     setting_keys = (*_REQUIRED["settings"], *(k for k in ("conversations", "enable_thinking") if k in settings))
@@ -283,8 +316,8 @@ def _markdown(results: dict) -> str:
         _drafter_table(results),
         "",
         TAU_NOTE,
-        f"Speedup is measured tokens/s over plain decoding ({baseline['tokens_per_s']:.1f} tokens/s, "
-        f"T_target = {baseline['T_target_ms']:.2f} ms per step) in the same run; bound = "
+        f"Speedup is measured tokens/s over plain decoding ({plain['tokens_per_s']:.1f} tokens/s, "
+        f"T_target = {plain['T_target_ms']:.2f} ms per step) in the same run; bound = "
         "tau * T_target / (T_draft + T_verify) from the measured times.",
         "",
         "![tau per drafter](tau.png)",
@@ -311,7 +344,7 @@ def _markdown(results: dict) -> str:
         "![histogram of accepted drafts](accepted_lengths.png)",
         "",
     ]
-    return "\n".join(lines + _auto_section(results))
+    return "\n".join(lines + engine_report.section(results) + _auto_section(results))
 
 
 # Plots draw on a bare Figure: it renders with Agg and touches no pyplot global state,
@@ -396,20 +429,23 @@ def _auto_section(results: dict) -> list[str]:
              f"host time at D = 1 and D = {how.get('cap')}, the verify pass from the latency table "
              f"({table.get('source', '?')}: {table.get('device', '?')}, {table.get('dtype', '?')}, "
              f"{table.get('attention', '?')}) at context {how.get('context', 0):.0f}. D maximises expected tokens/s "
-             "= E(d) / T(d), E(d) = 1 + sum_{k<=d} a_k, T(d) = T_verify(d) + T_draft(d) + host.", "",
-             "A drafter that can end a draft early (DSpark's confidence head) gets D and its confidence "
-             "threshold together: each calibration pass is priced at the draft length the threshold leaves.", "",
-             "| drafter | chosen D | threshold | predicted tokens/s | tile rule D | predicted tokens/s at it "
-             "(no threshold) | measured tokens/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "= E(d) / T(d), E(d) = 1 + sum_{k<=d} a_k, T(d) = T_verify(d) + T_draft(d) + host.", ""]
+    # A drafter with a tuning face (eval/proposers/base.py: Tuning) chose options with D: its
+    # note says how, its columns what.
+    notes = dict.fromkeys(d["num_draft_auto"]["note"] for d in rows if d["num_draft_auto"].get("note"))
+    columns = list(dict.fromkeys(key for d in rows for key in d["num_draft_auto"].get("columns") or {}))
+    lines += [line for note in notes for line in (note, "")]
+    lines += ["| drafter | chosen D | " + "".join(f"{key} | " for key in columns)
+              + "predicted tokens/s | tile rule D | predicted tokens/s at it | measured tokens/s |",
+              "|---|---:|" + "---:|" * (len(columns) + 4)]
     for d in rows:
         auto = d["num_draft_auto"]
         curve = {p["d"]: p for p in auto["curve"]}
         at = lambda k: f"{curve[k]['tokens_per_s']:.1f}" if k in curve else "-"  # noqa: E731
-        threshold = auto.get("confidence_threshold")
+        tuned = [_cell((auto.get("columns") or {}).get(key)) for key in columns]
         predicted = auto.get("predicted_tokens_per_s")
-        lines.append(f"| {d['name']} | {auto['chosen']} | {'-' if threshold is None else f'{threshold:g}'} | "
-                     f"{'-' if predicted is None else f'{predicted:.1f}'} | {auto['tile_rule_D']} | "
+        lines.append(f"| {d['name']} | {auto['chosen']} | " + "".join(f"{cell} | " for cell in tuned)
+                     + f"{'-' if predicted is None else f'{predicted:.1f}'} | {auto['tile_rule_D']} | "
                      f"{at(auto['tile_rule_D'])} | {d['tokens_per_s']:.1f} |")
     return lines + ["", f"![expected tokens/s against drafts]({AUTO_PLOT})", ""]
 

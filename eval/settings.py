@@ -17,6 +17,8 @@ from draftsmith.recipe import DataSection, EvalSection, TargetSection
 TILE = "tile"
 AUTO = "auto"
 NUM_DRAFT_WORDS = f"a number of at least 1, {TILE} (the tile rule's D) or {AUTO}"
+# --cache: the target's KV cache kinds (eval/decoder.py), each with its meaning.
+CACHE_KINDS = {"dynamic": "grows", "static": "preallocated, fixed addresses"}
 
 
 def num_draft_arg(text: str) -> int | str | None:
@@ -42,15 +44,20 @@ class EvalSettings(EvalSection):
     prompt_chars: int = option(400, "embedded prompts: characters of held-out source each")
     min_prompt_tokens: int = option(0, "long-context eval: only prompts (a conversation's first turn) of at least "
                                        "this many tokens, drawn from 8x --num-prompts candidates (0: all)")
-    cache_kind: str = option("dynamic", "the target's KV cache: dynamic (grows) or static (preallocated, fixed addresses)")
+    cache_kind: str = option("dynamic", "the target's KV cache", choices=CACHE_KINDS)
     compile: bool = option(False, "compile the verify forward (CUDA graphs on CUDA); needs --cache static")
+    engine: str = option("", "a serving engine that decodes the same prompts with each drafter as `draftsmith export` "
+                             "serves it, its acceptance, speed and greedy check beside ours: vllm (`make engine`, or "
+                             "DRAFTSMITH_ENGINE_PYTHON; default: none)")
+    engine_layouts: str = option("first", "--engine: each drafter in its method's first vLLM layout (first) or in "
+                                          "every layout vLLM loads (all)")
     # Other sections' keys, declared there (their flags too): the tile the drafters were sized
     # for, and the chat settings they were trained with.
     tile: int = TargetSection.tile
     chat_template: str = DataSection.chat_template
     enable_thinking: bool | None = DataSection.enable_thinking
-    # Per-run proposer options by method name, e.g. {"dspark": {"confidence_threshold": 0.3}}
-    # (registry.py's decode options, each its own flag).
+    # Per-run proposer options by method name, {method: {option: value}} (registry.py's decode
+    # options, each its own flag).
     proposer_options: dict[str, dict] = field(default_factory=dict)
 
     def each_temperature(self) -> list[float]:

@@ -17,7 +17,10 @@ computed yet) occupies a .. a + B - 1 and sees the context at 0 .. a - 1, nothin
 Block convention: draft j (1-based) is always the token at a + j. DFlash reads it from
 slot j, so the anchor slot only conditions and B inputs give B - 1 drafts; DSpark
 (dspark.py) reads it from slot j - 1, the anchor being the first prediction slot.
-`first_prediction_slot` carries the difference; the rest of this file serves both.
+`first_prediction_slot` carries the difference; the config and modules here serve both,
+as do the training blocks and their masks (dflash_blocks.py) and the loss weighting and
+metrics (dflash_loss.py). The config's defaults follow the reference rules of
+dflash_reference.py.
 """
 
 from __future__ import annotations
@@ -40,115 +43,28 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import divides, option, positive
-from draftsmith.models.attention import (
-    block_mask,
-    check_backend,
-    checkpointed,
-    document_ids,
-    flex_attend,
-    is_block_mask,
-    positions_of,
-    use_flex,
+from draftsmith.fields import DEFAULT_TILE, MethodConfig, divides, option, positive
+from draftsmith.models.attention import check_backend, checkpointed, document_ids, flex_attend, is_block_mask, use_flex
+from draftsmith.models.dflash_blocks import Blocks, make_blocks, sample_anchors, training_mask, window_visibility
+from draftsmith.models.dflash_loss import draft_reduction, greedy_metrics, position_means
+from draftsmith.models.dflash_reference import (
+    auto_block_size,
+    default_gamma,
+    reference_context_layers,
+    reference_depth,
+    reference_kv_heads,
+    spread_layer_ids,
+    tile_draft_budget,
 )
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import target_shape
-from draftsmith.models.tile import auto_block, plan_tile
-
-# Loss decay by drafts per block: DFlash's gamma 7 / 5 / 4 for B = 16 / 10 / 8 (15 / 9 / 7
-# drafts). Keyed by drafts so that DSpark's convention gets the same decay per draft.
-_GAMMA_BY_DRAFTS = ((7, 4.0), (9, 5.0), (15, 7.0))
-
 
 POSITION_WEIGHTS = ("decay", "dpace")  # DFlashConfig.position_weights (`draft_weights`)
 LAYER_TYPES = ("full_attention", "sliding_attention")  # DFlashConfig.layer_types, transformers' names
 
 
-def default_gamma(num_drafts: int) -> float:
-    """Piecewise-linear through the published points, extended linearly below them and
-    capped at the largest published gamma, 7 (a recipe may set more)."""
-    pts = _GAMMA_BY_DRAFTS
-    i = 0 if num_drafts <= pts[1][0] else 1
-    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
-    return min(pts[-1][1], max(1.0, y0 + (num_drafts - x0) * (y1 - y0) / (x1 - x0)))
-
-
-def reference_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """z-lab's and SpecForge's `build_target_layer_ids` as written, for any depth: what they
-    read from a folder whose config names no layer ids (n: its drafter layers)."""
-    if n == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
-
-
-def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
-    """DFlash's context layers: round(1 + i*(L - 4)/(n - 1)) (z-lab's and SpecForge's
-    `build_target_layer_ids`: [1, 9, 17, 25, 33] for 36 layers), or L // 2 for one. A target
-    too shallow for that spread to give n distinct layers (it spans layers 1 .. L - 3) gets
-    n layers spread evenly over 0 .. L - 2 instead: the last layer's output mostly encodes
-    the next token the target already verifies, which is why the references skip it."""
-    ids = reference_layer_ids(num_target_layers, n)
-    if len(set(ids)) < n and n <= num_target_layers - 1:
-        ids = [round(i * (num_target_layers - 2) / (n - 1)) for i in range(n)]
-    return ids
-
-
-# The drafter's shape as the reference configs choose it (docs/design.md section 7):
-# SpecForge configs/qwen2.5-0.5b-dflash.json (24 target layers), qwen3-4b-dflash.json and
-# qwen3-8b-dflash.json (36), lfm2.5-1.2b-instruct-dflash.json (16), z-lab's Qwen3 and
-# Llama-3.1 drafters and DeepSpec config/dflash/dflash_qwen3_8b.py all read 5 target layers,
-# and all but LFM's have 5 layers of their own.
-REFERENCE_DEPTH = 5
-REFERENCE_CONTEXT_LAYERS = 5
-# Query heads per KV head in those drafters: 4 (Qwen3-4B/8B, Llama-3.1-8B, LFM) and at most 7
-# (Qwen2.5-0.5B: 14 over 2). They copy the target's grouping because their targets group
-# like that; the drafter's KV heads never enter the target's verify tile.
-REFERENCE_MAX_GROUP, REFERENCE_GROUP = 7, 4
-
-
-def reference_depth(num_target_layers: int) -> int:
-    """5 layers, but never deeper than half a shallow target: a drafter as deep as its target
-    would cost a verify pass per block."""
-    return max(1, min(REFERENCE_DEPTH, num_target_layers // 2))
-
-
-def reference_context_layers(num_target_layers: int) -> int:
-    """5 context layers, at most every layer but the last of a shallow target."""
-    return max(1, min(REFERENCE_CONTEXT_LAYERS, num_target_layers - 1))
-
-
-def reference_kv_heads(num_heads: int, target_kv_heads: int) -> int:
-    """The target's KV heads where its grouping is one a reference drafter has (2 or more KV
-    heads, at most 7 query heads each); otherwise (MQA, or wider groups) the fewest KV heads
-    that divide the query heads with at most 4 per KV head, the Qwen3 and Llama drafters'."""
-    group = num_heads // max(1, target_kv_heads)
-    if target_kv_heads >= 2 and group <= REFERENCE_MAX_GROUP:
-        return target_kv_heads
-    return next(kv for kv in range(1, num_heads + 1) if num_heads % kv == 0 and num_heads // kv <= REFERENCE_GROUP)
-
-
-def tile_draft_budget(target_config, tile: int = 128) -> tuple[int, int]:
-    """(G, D) of the tile rule at tp 1."""
-    plan = plan_tile(target_config, tile)
-    return plan.G, plan.D
-
-
-def auto_block_size(target_config, tile: int = 128, first_prediction_slot: int = 1) -> int:
-    """The block that fills one verify tile, 1 + D for DFlash and D for DSpark, but never
-    past 16, the largest published DFlash block (`models.tile.auto_block`); a recipe that
-    sets block_size gets what it sets."""
-    plan = plan_tile(target_config, tile)
-    group, budget = plan.G, plan.D
-    if budget == 0:
-        raise DraftsmithError(
-            f"block_size auto: no room for drafts, G = {group} query heads per KV head fill the "
-            f"{tile}-row tile with the root token alone; a tile of {2 * group} rows would fit one draft"
-        )
-    return auto_block(plan, first_prediction_slot)
-
-
 @dataclass
-class DFlashConfig:
+class DFlashConfig(MethodConfig):
     """Fields left None are derived from the target by `from_target`."""
 
     hidden_size: int | None = option(None, "the drafter's width (None: the target's)")
@@ -192,7 +108,7 @@ class DFlashConfig:
         return self.block_size - self.first_prediction_slot
 
     @classmethod
-    def from_target(cls, target_config, tile: int = 128, **overrides) -> "DFlashConfig":
+    def from_target(cls, target_config, tile: int = DEFAULT_TILE, **overrides) -> "DFlashConfig":
         """The drafter for a target: its attention shape, layers spread over its depth, the
         block sized by the tile rule; `overrides` (recipe keys) win over all of it."""
         if isinstance(target_config, dict):
@@ -293,7 +209,7 @@ class DFlashConfig:
         self.layer_types = resolve_layer_types(self.layer_types, self.sliding_window, self.num_layers)
         return self
 
-    def check_tile(self, target_config, tile: int = 128) -> None:
+    def check_tile(self, target_config, tile: int = DEFAULT_TILE) -> None:
         """Warn, with the numbers, when one verify of a full block needs a second tile."""
         group, budget = tile_draft_budget(target_config, tile)
         drafts = self.drafts_per_block
@@ -332,14 +248,6 @@ def resolve_layer_types(layer_types: list[str], window: int, num_layers: int) ->
         raise DraftsmithError("layer_types names sliding_attention layers: set sliding_window")
     return types
 
-
-def window_visibility(anchor_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """Bool [B, 1, Q, K]: context key k within `window` positions before the anchor of query
-    q's block (k >= anchor - window), every row of a block alike, as speculators' DFlash trains
-    sliding layers (models/dflash/attention.py `create_anchor_block_mask_mod`). vLLM's
-    sliding attention measures from each row instead, hiding up to block_size - 1 more keys
-    at the window's far end: a departure of the engine's at its edge, not ours."""
-    return (key_positions[:, None, :] >= anchor_positions[:, :, None] - window)[:, None]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -452,7 +360,7 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
 
     @classmethod
-    def from_target(cls, target, tile: int = 128, **overrides) -> "DFlashDrafter":
+    def from_target(cls, target, tile: int = DEFAULT_TILE, **overrides) -> "DFlashDrafter":
         """A fresh drafter for `target` (a model or its config), sized by its config's
         `from_target` (the tile rule's `tile`); `overrides`, the recipe's keys, win."""
         return cls(cls.config_class.from_target(getattr(target, "config", target), tile=tile, **overrides))
@@ -572,199 +480,6 @@ class DFlashDrafter(nn.Module):
                    **position_means("ce", ce, blocks.label_mask)}
         return loss, metrics
 
-
-# ---------------------------------------------------------------- training blocks
-
-@dataclass
-class Blocks:
-    """N blocks per sequence; draft j of block i is the token at anchors[:, i] + j."""
-
-    anchors: torch.Tensor  # [B, N] (0 for padding blocks, which carry no labels)
-    input_ids: torch.Tensor  # [B, N, block] anchor token, then MASK
-    positions: torch.Tensor  # [B, N, block] anchor + slot
-    labels: torch.Tensor  # [B, N, drafts]
-    label_mask: torch.Tensor  # [B, N, drafts] float 0/1, a prefix: supervised drafts
-    prev_tokens: torch.Tensor  # [B, N, drafts] the true token before each draft (teacher forcing)
-    in_data: torch.Tensor  # [B, N, drafts] float 0/1: every loss-masked draft in the sequence, past gaps too
-    context_positions: torch.Tensor  # [B, T] the context tokens' positions (a packed row's restart per conversation)
-    docs: torch.Tensor | None  # [B, T] the conversation of each context token in a packed row; None: one per row
-
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
-                   docs: torch.Tensor | None = None) -> torch.Tensor:
-    """Up to `num_anchors` distinct random anchors per row (per conversation of a packed
-    row, `docs`), sorted; -1 pads short rows.
-
-    An anchor a is a loss-masked position whose next token is loss-masked too, in the same
-    conversation, so that its first draft is supervised (in decoding the anchor is always a
-    generated token)."""
-    mask = loss_mask.bool()
-    valid = mask[:, :-1] & mask[:, 1:]
-    doc = torch.zeros_like(valid, dtype=torch.long) if docs is None else docs[:, :-1]
-    if docs is not None:
-        valid &= docs[:, :-1] == docs[:, 1:]
-    device = generator.device if generator is not None else loss_mask.device
-    keys = torch.rand(valid.shape, generator=generator, device=device).to(loss_mask.device)
-    # Sorted by conversation, then valid ones first in random order: each conversation's first
-    # num_anchors are its draw (one conversation per row: the row's first num_anchors).
-    order = (keys.double().masked_fill(~valid, 2.0) + 4.0 * doc).argsort(dim=1)  # exact to ~2**50 conversations
-    index = torch.arange(order.shape[1], device=order.device).expand_as(order)
-    sorted_doc = torch.gather(doc, 1, order)
-    starts = torch.diff(sorted_doc, dim=1, prepend=sorted_doc[:, :1] - 1) != 0
-    rank = index - torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    taken = torch.gather(valid, 1, order) & (rank < num_anchors)
-    count = max(1, int(taken.sum(1).max()) if taken.numel() else 0)
-    anchors = torch.where(taken, order, torch.full_like(order, valid.shape[1] + 1)).sort(dim=1).values[:, :count]
-    return anchors.masked_fill(anchors > valid.shape[1], -1)
-
-
-def make_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                config: DFlashConfig, position_ids: torch.Tensor | None = None) -> Blocks:
-    """The training blocks of given anchors [B, N] (-1: padding); `position_ids` [B, T] of a
-    packed batch: a block takes its anchor's position, and its drafts stop where the
-    anchor's conversation ends."""
-    seq = input_ids.shape[1]
-    drafts, size = config.drafts_per_block, config.block_size
-    real = anchors >= 0
-    anchors = anchors.clamp_min(0)
-    slots = torch.arange(size, device=input_ids.device)
-    ids = torch.full((*anchors.shape, size), config.mask_token_id, dtype=torch.long, device=input_ids.device)
-    ids[..., 0] = torch.gather(input_ids, 1, anchors)
-    where = anchors[..., None] + torch.arange(1, drafts + 1, device=input_ids.device)  # draft j at a + j
-    inside = where < seq
-    where = where.clamp_max(seq - 1)
-    gather = lambda t: torch.gather(t[:, None, :].expand(-1, anchors.shape[1], -1), 2, where)  # noqa: E731
-    labels = gather(input_ids)
-    in_data = inside & gather(loss_mask.bool()) & real[..., None]
-    positions = positions_of(input_ids, position_ids)
-    docs = None if position_ids is None else document_ids(positions)
-    if docs is not None:
-        in_data &= gather(docs) == torch.gather(docs, 1, anchors)[..., None]
-    # Supervise a prefix only: acceptance stops at the first draft that leaves the data.
-    label_mask = in_data.long().cumprod(-1).float()
-    prev = torch.cat([ids[..., :1], labels[..., :-1]], dim=-1)
-    block_positions = torch.gather(positions, 1, anchors)[..., None] + slots
-    return Blocks(anchors, ids, block_positions, labels, label_mask, prev, in_data.float(), positions, docs)
-
-
-def block_visibility(anchors: torch.Tensor, context_len: int, block_size: int,
-                     docs: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool mask [B, 1, N*block, T + N*block] over keys [context; block 0; block 1; ...].
-
-    Query q of block i = q // block sees context key k iff k < anchors[:, i] (and, in a
-    packed row, k is of the anchor's conversation `docs`) and block key k iff
-    (k - T) // block == i: the context strictly before its anchor and its own block,
-    nothing of any other block. `block_mask_mod` is the same predicate for flex attention.
-    """
-    queries = anchors.shape[1] * block_size
-    block_of = torch.arange(queries, device=anchors.device) // block_size
-    context = torch.arange(context_len, device=anchors.device) < anchors[:, block_of, None]  # [B, Q, T]
-    if docs is not None:
-        anchor_docs = torch.gather(docs, 1, anchors.clamp_min(0))
-        context &= docs[:, None, :] == anchor_docs[:, block_of, None]
-    own = (block_of[:, None] == block_of[None, :]).expand(anchors.shape[0], -1, -1)
-    return torch.cat([context, own], dim=-1)[:, None]
-
-
-def block_mask_mod(anchors: torch.Tensor, context_len: int, block_size: int, docs: torch.Tensor | None = None,
-                   window: int = 0, context_positions: torch.Tensor | None = None,
-                   block_positions: torch.Tensor | None = None) -> Callable:
-    """`block_visibility`'s predicate as a flex-attention mask_mod (query q, key k), and with
-    `window` that of a sliding-window layer (`DFlashDrafter.layer_masks`)."""
-    anchor_docs = None if docs is None else torch.gather(docs, 1, anchors.clamp_min(0))
-
-    def mask_mod(b, h, q, k):
-        block = q // block_size
-        context = k < anchors[b, block]
-        inside = k.clamp(max=context_len - 1)  # block keys index past the context: clamped, and not read there
-        if docs is not None:
-            context = context & (docs[b, inside] == anchor_docs[b, block])
-        if window:  # `window_visibility`'s rule
-            context = context & (context_positions[b, inside] >= block_positions[b, block * block_size] - window)
-        return torch.where(k < context_len, context, (k - context_len) // block_size == block)
-
-    return mask_mod
-
-
-def training_mask(anchors: torch.Tensor, context_len: int, block_size: int, flex: bool = False,
-                  docs: torch.Tensor | None = None, window: int = 0, context_positions=None, block_positions=None):
-    """The visibility of a training pass: the dense mask (of full-attention layers: the window
-    is `layer_masks`'), or the flex BlockMask of the same rule (with `window`, a sliding layer's)."""
-    if not flex:
-        return block_visibility(anchors, context_len, block_size, docs)
-    queries = anchors.shape[1] * block_size
-    mask_mod = block_mask_mod(anchors, context_len, block_size, docs, window, context_positions, block_positions)
-    return block_mask(mask_mod, anchors.shape[0], queries, context_len + queries, anchors.device)
-
-
-def position_weights(num_drafts: int, gamma: float, device=None) -> torch.Tensor:
-    """exp(-(j - 1)/gamma) for drafts j = 1..num_drafts: later drafts matter less, since
-    they only count when every earlier one was accepted."""
-    return torch.exp(-torch.arange(num_drafts, device=device, dtype=torch.float32) / gamma)
-
-
-@torch.no_grad()
-def dpace_weights(ce: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE (speculators 0.9.0 losses/utils.py `dpace_loss_decay`; SpecForge 0.2.0
-    `OnlineDFlashModel._dpace_weight`): the expected acceptance a draft carries, from the
-    drafter's own smoothed confidence in the true token, s_j = (1 - alpha) * exp(-ce_j) +
-    alpha on drafts in `mask` and 1 elsewhere, as w_k = sum_{j >= k} m_j * prod_{i <= j} s_i:
-    a draft is worth every later accepted token that needs it right. Detached, as there.
-    ce and mask [..., drafts]; the weights of drafts outside `mask` are left to the caller."""
-    m = mask.float()
-    smooth = torch.where(m > 0, (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha, torch.ones_like(m))
-    return (smooth.cumprod(-1) * m).flip(-1).cumsum(-1).flip(-1)
-
-
-def draft_reduction(config: DFlashConfig, ce: torch.Tensor, mask: torch.Tensor):
-    """values [..., drafts] -> the scalar loss term, by `config.position_weights` over the
-    supervised drafts (`mask`): DFlash's fixed decay, sum(v * w) / sum(w) (SpecForge's
-    `loss_den = loss_weights.sum()`); or D-PACE's weights from the drafts' own ce, sum(v * w) /
-    (drafts supervised), as speculators 0.9.0 reduces it (losses/utils.py `loss_function`:
-    the masked, decayed sum over `loss_mask.sum()`). SpecForge 0.2.0 divides its D-PACE sum by
-    the batch size instead, a scale that varies with the anchors a batch holds."""
-    if config.position_weights == "dpace":
-        weights = mask * dpace_weights(ce, mask, config.dpace_alpha)
-        count = mask.float().sum().clamp_min(1e-6)
-        return lambda values: (values * weights).sum() / count
-    weights = mask * position_weights(config.drafts_per_block, config.gamma, ce.device)
-    return lambda values: weighted_mean(values, weights)
-
-
-def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return (values * weights).sum() / weights.sum().clamp_min(1e-6)
-
-
-@torch.no_grad()
-def position_means(name: str, values: torch.Tensor, label_mask: torch.Tensor) -> dict[str, float]:
-    """{name_k: mean of values [..., drafts] at draft k over supervised blocks}: a plateau
-    in the weighted loss tells apart positions that still learn from those at their floor."""
-    counts = label_mask.flatten(0, -2).sum(0)
-    sums = (values.detach().float() * label_mask).flatten(0, -2).sum(0)
-    return {f"{name}_{k + 1}": m for k, m in enumerate((sums / counts.clamp_min(1)).tolist())}
-
-
-@torch.no_grad()
-def greedy_metrics(predicted: torch.Tensor, blocks: Blocks) -> dict[str, float]:
-    """acc_k: draft k matches, among supervised blocks whose drafts 1..k-1 all matched (the
-    conditional accuracy), so tau_est = 1 + sum_k prod_{j<=k} acc_j estimates the greedy
-    acceptance length of a full block."""
-    valid = blocks.label_mask.bool()
-    right = (predicted == blocks.labels) & valid
-    prefix = right.long().cumprod(-1).bool()
-    reached = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], dim=-1)
-    metrics, survive, tau = {}, 1.0, 1.0
-    for k in range(predicted.shape[-1]):
-        seen = int(reached[..., k].sum())
-        acc = int(prefix[..., k].sum()) / seen if seen else 0.0
-        metrics[f"acc_{k + 1}"] = acc
-        survive *= acc
-        tau += survive
-    metrics["tau_est"] = tau
-    return metrics
-
-
-# ---------------------------------------------------------------- decoding
 
 class ContextCache:
     """Per-layer context K/V ([B, KV, T, hd]) of the committed positions that have target

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import divides, option, positive
+from draftsmith.fields import MethodConfig, divides, option, positive
 from draftsmith.models.target import build_tiny_target
 
 
 @dataclass
-class DraftLMConfig:
+class DraftLMConfig(MethodConfig):
     num_layers: int = option(2, "decoder layers of the draft LM")
     hidden_size: int = option(128, "hidden width")
     num_heads: int = option(4, "query heads")

@@ -38,18 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option, positive
-from draftsmith.models.dflash import (
-    DFlashConfig,
-    DFlashDrafter,
-    check_target,
-    draft_reduction,
-    greedy_metrics,
-    position_means,
-    weighted_mean,
-)
+from draftsmith.fields import DEFAULT_TILE, option, positive
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, check_target
+from draftsmith.models.dflash_loss import draft_reduction, greedy_metrics, position_means, weighted_mean
+from draftsmith.models.dflash_tile import block_line
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.native import load_drafter
-from draftsmith.models.target import find_model_dir
+from draftsmith.models.tile import TilePlan
 
 ANCHOR_IS_FIRST_PREDICTION = "anchor_is_first_prediction"  # DSpark's own: B inputs, B drafts
 ANCHOR_IS_CONTEXT = "anchor_is_context"  # DFlash's: B inputs, B - 1 drafts (a frozen DFlash backbone)
@@ -159,7 +154,7 @@ class DSparkDrafter(DFlashDrafter):
         self.confidence_head = ConfidenceHead(config.hidden_size + config.markov_rank)
 
     @classmethod
-    def from_target(cls, target, tile: int = 128, backbone: str = "", freeze_backbone: bool = False,
+    def from_target(cls, target, tile: int = DEFAULT_TILE, backbone: str = "", freeze_backbone: bool = False,
                     **overrides) -> "DSparkDrafter":
         """A fresh DSpark for `target` (DFlash's `from_target`), or, with `backbone` (a trained
         DFlash run or native folder), one on that backbone (`from_dflash`), kept frozen with
@@ -295,3 +290,8 @@ class DSparkDrafter(DFlashDrafter):
             metrics["tau_prob"] = float(tau_prob[started].mean()) if started.any() else 1.0
             metrics["conf_err"] = float(weighted_mean((confidence.sigmoid() - accept).abs(), mask))
         return loss, metrics
+
+
+def plan_line(plan: TilePlan) -> str:
+    """DSpark's line of `draftsmith plan` (slot 0, the anchor first: a block of D drafts)."""
+    return block_line("DSpark", plan, 0)

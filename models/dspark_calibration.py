@@ -21,6 +21,9 @@ The statistic is fitted here on held-out rows: the run's own validation split, a
 training (train/dspark.py), where the rows and the full target are at hand. Each block is drafted
 as the decoder drafts it (greedy, refiner on) from an anchor inside an answer, and verified
 greedily by one target forward over the context and the block: acceptance at temperature 0.
+
+For our own decoder, `best_threshold` chooses the confidence threshold together with D on
+`eval --num-draft auto`'s calibration passes (eval/proposers/dspark.py: DSparkTuning).
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ import math
 from pathlib import Path
 
 import torch
+from pydantic import Field
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import write_json
+from draftsmith.fsutil import read_json, write_json
 from draftsmith.models.target import target_forward
+from draftsmith.schema import Count, NonNegativeFloat, PositiveFloat, Schema, validated
 
 STS_FILE = "dspark_sts.json"
 SPS_FILE = "dspark_sps.json"
@@ -115,6 +120,29 @@ def write_sts(drafter, target, rows: dict, folder: str | Path, dataset: str = "h
     return path
 
 
+class StsCalibration(Schema):
+    """A dspark_sts.json as SGLang's DSparkStsCalibration reads it (the module doc), ours or
+    another tool's: every temperature positive and finite (NaN passes no `> 0` there and would
+    reach the sigmoid), at least one; other keys are kept and written through."""
+
+    temperatures: list[PositiveFloat] = Field(min_length=1)
+    dataset: str = ""
+    num_samples: Count = 0
+    ece_before: list[NonNegativeFloat] = []
+    ece_after: list[NonNegativeFloat] = []
+
+
+def read_sts(path: str | Path, gamma: int) -> dict:
+    """A drafter's calibration file, checked (StsCalibration) for a drafter of `gamma` drafts
+    per block: the one reader of the file, before the export writes it into SGLang's folder."""
+    data = read_json(path)
+    temperatures = validated(StsCalibration, data, str(path)).temperatures
+    if len(temperatures) != gamma:
+        raise DraftsmithError(f"{path}: {len(temperatures)} temperatures for a drafter of {gamma} drafts per block "
+                              "(SGLang's gamma)")
+    return data
+
+
 def sps_table(latency_table: str | Path) -> dict:
     """SGLang's steps-per-second table from a `draftsmith plan TARGET --measure` latency table
     (models/latency.py): one probe per measured draft count d, its batch tokens the 1 + d
@@ -127,3 +155,34 @@ def sps_table(latency_table: str | Path) -> dict:
     steps = [1000.0 / sorted(row[d] for row in rows)[len(rows) // 2] for d in table.data["drafts"]]
     probes = [d + 1 for d in table.data["drafts"]]
     return {"sample_batch_tokens": probes, "sample_steps_per_sec": steps, "max_batch_tokens": probes[-1]}
+
+
+# ---- the threshold `eval --num-draft auto` chooses with D (eval/proposers/dspark.py: DSparkTuning)
+
+# Thresholds `best_threshold` tries: DeepSpec's rule compares the confidence sigmoid with them.
+THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20))
+
+
+def best_threshold(records: list[tuple[list[float], int]], pass_ms, max_draft: int) -> dict:
+    """DSpark's draft length and confidence threshold maximising expected tokens/s: each
+    recorded pass (the draft's confidences, the drafts accepted) would draft L = the drafts
+    before the first confidence below the threshold (at most d) and commit 1 + min(accepted,
+    L), at pass_ms(L). Returns the best pair and, per threshold, its best d (the curve)."""
+    if not records:
+        return {"num_draft": 0, "confidence_threshold": 0.0, "tokens_per_s": 0.0, "curve": []}
+    curve = []
+    for threshold in THRESHOLDS:
+        best = None
+        for d in range(min(max_draft, max(len(c) for c, _ in records)) + 1):
+            tokens = ms = 0.0
+            for confidences, accepted in records:
+                length = next((k for k, c in enumerate(confidences[:d]) if c < threshold), min(d, len(confidences)))
+                tokens += 1 + min(accepted, length)
+                ms += pass_ms(length)
+            point = {"d": d, "tokens_per_s": 1000.0 * tokens / ms, "expected_tokens": tokens / len(records)}
+            if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
+                best = point
+        curve.append({"confidence_threshold": threshold, **best})
+    top = max(curve, key=lambda p: (p["tokens_per_s"], -p["confidence_threshold"]))
+    return {"num_draft": top["d"], "confidence_threshold": top["confidence_threshold"],
+            "tokens_per_s": top["tokens_per_s"], "curve": curve}

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.fsutil import read_json
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.native import read_native_meta
-from draftsmith.models.target import find_model_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -37,7 +37,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import divides, option, positive
+from draftsmith.fields import MethodConfig, divides, option, positive
 from draftsmith.models.attention import (
     block_mask,
     check_backend,
@@ -73,7 +73,7 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(MethodConfig):
     """Fields left None are derived from the target by `from_target` (a recipe sets only
     the keys it names); `derive` then refuses anything missing or inconsistent."""
 

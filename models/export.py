@@ -14,7 +14,6 @@ targets) unless `--dtype` names another.
 
 from __future__ import annotations
 
-import inspect
 import shutil
 from pathlib import Path
 
@@ -22,15 +21,15 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.dtypes import DTYPES
 from draftsmith.models.layouts import NATIVE, identify
-from draftsmith.models.target import find_model_dir
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.registry import METHODS, MethodSpec, import_ref
 
 
 def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None = None,
                latency_table: str | Path | None = None) -> Path:
     """Write the drafter of a training run (or a native drafter folder) in format `fmt`,
-    its weights in `dtype` (default: the target's); a writer that writes a cost table from
-    `plan --measure`'s latency table (SGLang's DSpark) takes `latency_table`."""
+    its weights in `dtype` (default: the target's); the formats the method's entry names in
+    `latency_exports` write a cost table from `plan --measure`'s `latency_table` (SGLang's DSpark)."""
     folder, spec = _drafter_folder(run)
     check = spec.face("check_export", None)  # e.g. a target no engine runs this method for: before any format
     if check is not None:
@@ -40,10 +39,26 @@ def export_run(run: str | Path, fmt: str, out_dir: str | Path, dtype: str | None
                               if spec.exports else f"{run}: no export for method {spec.name!r}")
     if dtype is not None and dtype not in DTYPES:
         raise DraftsmithError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if latency_table is not None:
+        _check_latency_table(folder, latency_table)
     writer = import_ref(spec.exports[fmt], f"--format {fmt}")
-    if latency_table is not None and "latency_table" in inspect.signature(writer).parameters:
+    if latency_table is not None and fmt in spec.latency_exports:
         return writer(folder, out_dir, dtype, latency_table=latency_table)
     return writer(folder, out_dir, dtype)
+
+
+def _check_latency_table(folder: Path, latency_table: str | Path) -> None:
+    """`--latency-table` read and held against the drafter's target before anything is
+    written, by the check `eval --latency-table` makes (`LatencyTable.check_fits`): a table of
+    another target would size the serving of this one (DSpark's cost table, EAGLE-3's chain).
+    The device is not compared: an export is made for the serving machine, not this one."""
+    from draftsmith.models.dtypes import target_dir_of
+    from draftsmith.models.latency import LatencyTable
+
+    table = LatencyTable.read(latency_table)
+    target_dir = target_dir_of(folder)
+    if target_dir is not None:  # none recorded: no writer uses the table (DSpark's refuses first)
+        table.check_fits(target_dir)
 
 
 def export_notes(run: str | Path, fmt: str, written: str | Path, latency_table: str | Path | None = None) -> list[str]:

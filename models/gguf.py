@@ -8,7 +8,9 @@ draftsmith's cache, keyed by the file's SHA-256, and every later use loads that 
 well under a second. The folder holds float32 weights (the dequantized values exactly);
 `target.dtype` casts at load time as for any other folder. The quantization config is
 dropped before saving: the weights written are no longer quantized, and transformers
-refuses to save a model that still names its GGUF quantizer.
+refuses to save a model that still names its GGUF quantizer. A conversion is cached only
+once it is the file's model: no weight newly initialised, missing or left unplaced, every
+value finite (a damaged or mislabelled file is one line, and nothing is cached).
 
 `EMBEDDED` names GGUF files that installed wheels ship, so that a real pretrained target
 is at hand on a machine with no hub: `smollm2-135m-instruct` is SmolLM2-135M-Instruct
@@ -143,13 +145,14 @@ def _convert(gguf_file: Path, sha: str, dest: Path) -> None:
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, output_loading_info=True)
     # transformers raises ValueError for an architecture it has no GGUF mapping for, and the
     # gguf reader its own errors (ValueError, struct and numpy errors) for a truncated file:
     # all are about the user's file.
     except Exception as exc:
         raise DraftsmithError(f"target {gguf_file}: transformers cannot read this GGUF file: "
                               f"{first_lines(exc, 1)}") from None
+    _check_conversion(gguf_file, model, info)
     # The weights are dequantized now: drop the quantizer so that save_pretrained writes them
     # and the folder loads as an ordinary float32 model.
     model.hf_quantizer, model.is_quantized = None, False
@@ -162,3 +165,27 @@ def _convert(gguf_file: Path, sha: str, dest: Path) -> None:
         provenance = {"gguf_file": str(gguf_file), "sha256": sha,
                       "bytes": gguf_file.stat().st_size, "dtype": "float32"}
         (tmp / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+def _check_conversion(gguf_file: Path, model, info: dict) -> None:
+    """Refuse a conversion that is not the file's model before it is cached under the file's
+    hash (every later command would reuse it): weights the load initialised anew or could not
+    place (an architecture renamed in the metadata), and any non-finite value (a tensor's
+    type changed, so its bytes dequantize to NaN or infinity)."""
+    import torch
+
+    from draftsmith.models.target import untrusted_weights
+
+    problem = untrusted_weights(info, unexpected=True)
+    if not problem:
+        tensors = [*model.named_parameters(), *model.named_buffers()]  # a tied head once, under the embedding's name
+        bad = [(n, t) for n, t in tensors if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            name, tensor = bad[0]
+            count = int((~torch.isfinite(tensor)).sum())
+            more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+            problem = f"{name} holds {count} NaN or infinite value(s) of {tensor.numel()}{more}"
+    if problem:
+        arch = type(model).__name__
+        raise DraftsmithError(f"target {gguf_file}: the file does not convert to a sound {arch}: {problem}; "
+                              "nothing was cached (a damaged or mislabelled file: get it again)")

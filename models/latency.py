@@ -26,8 +26,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from pydantic import Field, model_validator
+
+from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.fsutil import read_json
+from draftsmith.schema import Count, NonNegativeFloat, PositiveFloat, PositiveInt, Schema, validated
 
 TABLE_FORMAT = "draftsmith-verify-latency"
 TABLE_VERSION = 1
@@ -64,11 +67,12 @@ def measure_latency(model, contexts, max_draft: int, reps: int = 5, plan=None, t
     import torch
     import transformers
 
-    from draftsmith.models.target import crop_cache, new_cache, target_forward, target_shape
+    from draftsmith.models.target import target_forward, target_shape
+    from draftsmith.models.target_cache import crop_cache, new_cache
 
-    if max_draft < 0 or reps < 1 or not contexts or min(contexts) < 1:
-        raise DraftsmithError(f"latency table: need max_draft >= 0, reps >= 1 and positive contexts, got "
-                              f"{max_draft}, {reps}, {list(contexts)}")
+    if max_draft < 0 or reps < 1 or contexts_problem(contexts):
+        raise DraftsmithError(f"latency table: need max_draft >= 0, reps >= 1 and positive, increasing contexts, "
+                              f"got {max_draft}, {reps}, {list(contexts)}")
     param = next(model.parameters())
     device, vocab = param.device, model.config.vocab_size
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -146,6 +150,69 @@ def tile_steps(table: dict) -> list[dict]:
 
 # ---- the table as data ------------------------------------------------------------------
 
+class _Shape(Schema):
+    layers: PositiveInt
+    hidden: PositiveInt
+    heads: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: PositiveInt
+    vocab: PositiveInt
+
+
+class _Tile(Schema):
+    rows: PositiveInt
+    tp: PositiveInt
+    G: PositiveInt
+    D: Count
+
+
+class TableSchema(Schema):
+    """What eval and export read of a TABLE_FORMAT version 1 table (docs/design.md section 3):
+    the target's shape and the device it was measured for (`check_fits` compares them), and
+    one positive, finite time per context and draft count."""
+
+    shape: _Shape
+    device: str
+    device_type: str
+    dtype: str
+    attention: str
+    contexts: list[PositiveInt] = Field(min_length=1)
+    drafts: list[Count] = Field(min_length=1)
+    verify_ms: list[list[PositiveFloat]]
+    head_ms: NonNegativeFloat
+    tile: _Tile | None = None
+
+    @model_validator(mode="after")
+    def _rows_agree(self) -> "TableSchema":
+        problem = contexts_problem(self.contexts, "contexts")
+        if problem:
+            raise ValueError(problem)
+        if self.drafts != list(range(len(self.drafts))):
+            raise ValueError(f"drafts {_short(self.drafts)} must be 0, 1, ... (every draft count from 0)")
+        if len(self.verify_ms) != len(self.contexts) or any(len(r) != len(self.drafts) for r in self.verify_ms):
+            raise ValueError(f"contexts ({len(self.contexts)}), drafts ({len(self.drafts)}) and verify_ms (rows of "
+                             f"{sorted({len(r) for r in self.verify_ms})} times) do not agree: one row per context, "
+                             "one time per draft count")
+        return self
+
+
+def contexts_problem(contexts, what: str = "--contexts") -> str | None:
+    """Why `contexts` are no table's KV lengths (None when they are): positive, increasing,
+    each once. A table interpolates between neighbours, so `plan --measure --contexts 64,32`
+    (or 32,32) is refused before measuring rather than written for every reader to refuse."""
+    contexts = list(contexts)
+    if not contexts or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in contexts):
+        return f"{what} {contexts}: need at least one KV length, each a positive whole number"
+    if contexts != sorted(set(contexts)):
+        return (f"{what} {','.join(map(str, contexts))}: the KV lengths must increase, each once "
+                f"(give {','.join(map(str, sorted(set(contexts))))})")
+    return None
+
+
+def _short(values: list) -> str:
+    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:8]))}, ...]"
+
+
 @dataclass
 class LatencyTable:
     """A latency table read back; `verify_ms(d, context)` interpolates linearly in the
@@ -163,20 +230,29 @@ class LatencyTable:
 
     @classmethod
     def check(cls, data: dict, source: str = "latency table") -> "LatencyTable":
+        """The one check of a table's contents, for every reader (TableSchema)."""
         if data.get("format") != TABLE_FORMAT or data.get("version") != TABLE_VERSION:
             raise DraftsmithError(f"{source}: not a latency table (format {data.get('format')!r} version "
                                   f"{data.get('version')!r}; expected {TABLE_FORMAT!r} {TABLE_VERSION}: "
                                   "draftsmith plan TARGET --measure writes one)")
-        contexts, drafts, rows = data.get("contexts"), data.get("drafts"), data.get("verify_ms")
-        ok = (isinstance(contexts, list) and contexts and isinstance(drafts, list) and drafts
-              and drafts == list(range(len(drafts))) and isinstance(rows, list) and len(rows) == len(contexts)
-              and all(isinstance(r, list) and len(r) == len(drafts) for r in rows)
-              and contexts == sorted(set(contexts))
-              and all(isinstance(v, (int, float)) and v > 0 for r in rows for v in r))
-        if not ok:
-            raise DraftsmithError(f"{source}: contexts (increasing), drafts (0, 1, ...) and verify_ms (one row of "
-                                  "positive times per context, one time per draft count) do not agree")
+        validated(TableSchema, data, source)
         return cls(data, source)
+
+    def check_fits(self, target, device_type: str | None = None) -> "LatencyTable":
+        """Refuse a table measured for another target (`target`: its transformers config, or
+        its folder) or, given `device_type`, on another kind of device: it prices the wrong
+        passes. The one check of both `eval --latency-table` and `export --latency-table`."""
+        from draftsmith.models.target import target_shape
+
+        shape = target_shape(_config_of(target))
+        mine = {"layers": shape.num_layers, "hidden": shape.hidden_size, "heads": shape.num_heads,
+                "kv_heads": shape.num_kv_heads, "vocab": shape.vocab_size}
+        theirs = {k: self.data["shape"][k] for k in mine}
+        if theirs != mine:
+            raise DraftsmithError(f"{self.source}: measured for a target of {theirs}, this one is {mine}")
+        if device_type is not None and self.data["device_type"] != device_type:
+            raise DraftsmithError(f"{self.source}: measured on {self.data['device']}, eval runs on {device_type}")
+        return self
 
     @property
     def max_draft(self) -> int:
@@ -202,6 +278,19 @@ class LatencyTable:
         c0, c1 = contexts[i - 1], contexts[i]
         w = (context - c0) / (c1 - c0)
         return rows[i - 1][d] * (1 - w) + rows[i][d] * w
+
+
+def _config_of(target):
+    """A target's transformers config (as eval's loaded target has it), read from its folder
+    where a folder is given."""
+    if not isinstance(target, (str, Path)):
+        return target
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(target))
+    except (OSError, ValueError, KeyError) as exc:
+        raise DraftsmithError(f"target {target}: cannot read its config.json ({first_lines(exc, 1)})") from None
 
 
 # ---- the choice -------------------------------------------------------------------------
@@ -233,35 +322,6 @@ def best_draft(acceptance: list[float], pass_ms, max_draft: int) -> DraftChoice:
         curve.append({"d": d, "expected_tokens": tokens, "pass_ms": ms, "tokens_per_s": 1000.0 * tokens / ms})
     best = max(curve, key=lambda p: (p["tokens_per_s"], -p["d"]))
     return DraftChoice(best["d"], curve)
-
-
-# Thresholds `best_threshold` tries: DeepSpec's rule compares the confidence sigmoid with them.
-THRESHOLDS = tuple(round(0.05 * i, 2) for i in range(20))
-
-
-def best_threshold(records: list[tuple[list[float], int]], pass_ms, max_draft: int) -> dict:
-    """DSpark's draft length and confidence threshold maximising expected tokens/s: each
-    recorded pass (the draft's confidences, the drafts accepted) would draft L = the drafts
-    before the first confidence below the threshold (at most d) and commit 1 + min(accepted,
-    L), at pass_ms(L). Returns the best pair and, per threshold, its best d (the curve)."""
-    if not records:
-        return {"num_draft": 0, "confidence_threshold": 0.0, "tokens_per_s": 0.0, "curve": []}
-    curve = []
-    for threshold in THRESHOLDS:
-        best = None
-        for d in range(min(max_draft, max(len(c) for c, _ in records)) + 1):
-            tokens = ms = 0.0
-            for confidences, accepted in records:
-                length = next((k for k, c in enumerate(confidences[:d]) if c < threshold), min(d, len(confidences)))
-                tokens += 1 + min(accepted, length)
-                ms += pass_ms(length)
-            point = {"d": d, "tokens_per_s": 1000.0 * tokens / ms, "expected_tokens": tokens / len(records)}
-            if best is None or point["tokens_per_s"] > best["tokens_per_s"]:
-                best = point
-        curve.append({"confidence_threshold": threshold, **best})
-    top = max(curve, key=lambda p: (p["tokens_per_s"], -p["confidence_threshold"]))
-    return {"num_draft": top["d"], "confidence_threshold": top["confidence_threshold"],
-            "tokens_per_s": top["tokens_per_s"], "curve": curve}
 
 
 def linear_cost(at_low: tuple[int, float], at_high: tuple[int, float]):
@@ -351,7 +411,8 @@ def load_measured_target(source: str, device):
     its config); a config.json alone gives random weights of that shape, which time the same."""
     import torch
 
-    from draftsmith.models.target import find_model_dir, freeze, load_target
+    from draftsmith.models.model_dir import find_model_dir
+    from draftsmith.models.target import freeze, load_target
 
     path = Path(source)
     if path.is_file():
@@ -369,23 +430,41 @@ def load_measured_target(source: str, device):
     return load_target(find_model_dir(source, require="target"), device=device)
 
 
+def measure_device(name: str | None):
+    """The device `plan --measure` times on: `name` (cpu, cuda, cuda:1, ...), else CUDA where
+    there is one. A name torch does not know, or a device this machine lacks (CUDA on a machine
+    without it, an index past its GPUs), is one line naming the flag."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)  # reach it: torch raises here for a device it cannot use
+    except (RuntimeError, AssertionError, ValueError) as exc:
+        raise DraftsmithError(f"--device {name}: not a device this machine has ({first_lines(exc, 1)})") from None
+    if device.type == "meta":  # holds no data: nothing to time
+        raise DraftsmithError(f"--device {name}: the meta device runs nothing; give cpu or cuda")
+    return device
+
+
 def measure_command(target_path: str, tile: int, tp: int, out: str, contexts=None, max_draft: int | None = None,
                     reps: int = 5, device: str | None = None) -> str:
     """Measure, write `out`/latency.json and latency.png, and return what `plan` prints."""
     import logging
 
-    import torch
-
     from draftsmith.fsutil import check_replaceable
     from draftsmith.models.tile import plan_tile, read_target_config
 
+    problem = contexts_problem(contexts) if contexts is not None else None
+    if problem:  # before the target loads, and before a table every reader refuses is written
+        raise DraftsmithError(f"plan --measure: {problem}")
     check_replaceable(out, TABLE_FILE, "latency table")
     plan = plan_tile(read_target_config(target_path), tile=tile, tp=tp)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = load_measured_target(target_path, device)
+    model = load_measured_target(target_path, measure_device(device))
     max_draft = plan.D + PAST_TILE if max_draft is None else max_draft
     limit = getattr(model.config, "max_position_embeddings", None) or max(DEFAULT_CONTEXTS) + max_draft + 1
-    contexts = list(contexts) if contexts else [c for c in DEFAULT_CONTEXTS if c + max_draft + 1 <= limit]
+    contexts = list(contexts) if contexts is not None else [c for c in DEFAULT_CONTEXTS if c + max_draft + 1 <= limit]
     if not contexts:
         raise DraftsmithError(f"{target_path}: max_position_embeddings {limit} leaves no room for the default contexts "
                               f"{', '.join(map(str, DEFAULT_CONTEXTS))}; give --contexts")
@@ -398,13 +477,19 @@ def measure_command(target_path: str, tile: int, tp: int, out: str, contexts=Non
 # ---- the serve lines' chain length (models/serve.py) -------------------------------------
 
 def run_acceptance(model_folder: str | Path) -> list[float]:
-    """a_k = prod_{j<=k} acc_j from the last validation record of the run that trained
-    `model_folder` (its metrics.jsonl: `val/acc_1` ..., the drafter's per-position greedy
-    accuracy on held-out rows, never evaluation prompts); [] where the run logged none."""
+    """a_k = prod_{j<=k} acc_j from the validation record of the weights in `model_folder`
+    (the last at or before their step in the metrics.jsonl of the run that trained them:
+    `val/acc_1` ..., the drafter's per-position greedy accuracy on held-out rows, never
+    evaluation prompts); [] where the run logged none. The run folder, not the folder of the
+    weights: a run's best (RUN/best/model) and checkpoints sit below it."""
     import json
 
+    from draftsmith.models.run_weights import weights_run
+
     folder = Path(model_folder)
-    metrics = next((p / "metrics.jsonl" for p in (folder, folder.parent) if (p / "metrics.jsonl").is_file()), None)
+    run, step = weights_run(folder) or (None, None)
+    metrics = next((p / "metrics.jsonl" for p in (run, folder, folder.parent)
+                    if p is not None and (p / "metrics.jsonl").is_file()), None)
     if metrics is None:
         return []
     last = {}
@@ -413,7 +498,7 @@ def run_acceptance(model_folder: str | Path) -> list[float]:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line cut by an interrupted run
             continue
-        if isinstance(record, dict) and "val/acc_1" in record:
+        if isinstance(record, dict) and "val/acc_1" in record and (step is None or _at_or_before(record, step)):
             last = record
     out, running = [], 1.0
     for k in range(1, len(last) + 1):
@@ -423,6 +508,13 @@ def run_acceptance(model_folder: str | Path) -> list[float]:
         running *= float(value)
         out.append(running)
     return out
+
+
+def _at_or_before(record: dict, step: int) -> bool:
+    """Whether a metrics record was logged by the step `step`'s weights or before them (a
+    record without a number for its step is not)."""
+    logged = record.get("step")
+    return isinstance(logged, (int, float)) and not isinstance(logged, bool) and logged <= step
 
 
 def chain_steps(model_folder, export_dir, table_path, tile_D: int) -> tuple[int | None, str]:

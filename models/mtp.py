@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fields import option, positive
+from draftsmith.fields import MethodConfig, option, positive
 from draftsmith.models.native import load_state_strict
 from draftsmith.models.target import cache_kwarg, decoder_layers, decoder_module, rotary_embedding
 
@@ -46,7 +46,7 @@ ZERO_CENTERED_NORMS = ("qwen3_next",)
 
 
 @dataclass
-class MTPConfig:
+class MTPConfig(MethodConfig):
     num_depths: int = option(2, "K: MTP modules, depth k predicting the token k + 1 ahead")
     # Joint loss L_main + lambda/K * sum_k L_k; DeepSeek-V3 used 0.3 for the first ~2/3 of
     # training, then 0.1.

@@ -27,18 +27,41 @@ def run_weights(folder: Path) -> Path | None:
     return None
 
 
-def weights_label(model_dir: str | Path) -> str | None:
-    """What a report calls the weights in `model_dir`: "best (step 40, val/tau_est 1.23)",
-    "checkpoint step 20" or "last"; None for a folder that is not a run's."""
-    model_dir = Path(model_dir)
+def _origin(model_dir: Path) -> tuple[str, Path, dict] | None:
+    """Which weights of which run `model_dir` holds: ("best" | "checkpoint" | "last", the run
+    folder, the record naming their step: best.json, step.json, {}); None for a folder that is
+    not a run's."""
     holder = model_dir.parent
     if model_dir.name != MODEL:
         return None
     if (holder / BEST_RECORD).is_file():
-        record = read_json(holder / BEST_RECORD)
-        return f"best (step {record['step']}, {record['metric']} {record['value']:.4g})"
+        return "best", holder.parent, read_json(holder / BEST_RECORD)
     if (holder / "step.json").is_file():
-        return f"checkpoint step {read_json(holder / 'step.json')['step']}"
+        return "checkpoint", holder.parent.parent, read_json(holder / "step.json")
     if (holder / "run.json").is_file():
-        return "last"
+        return "last", holder, {}
     return None
+
+
+def weights_label(model_dir: str | Path) -> str | None:
+    """What a report calls the weights in `model_dir`: "best (step 40, val/tau_est 1.23)",
+    "checkpoint step 20" or "last"; None for a folder that is not a run's."""
+    origin = _origin(Path(model_dir))
+    if origin is None:
+        return None
+    kind, _, record = origin
+    if kind == "best":
+        return f"best (step {record['step']}, {record['metric']} {record['value']:.4g})"
+    return f"checkpoint step {record['step']}" if kind == "checkpoint" else "last"
+
+
+def weights_run(model_dir: str | Path) -> tuple[Path, int | None] | None:
+    """The run folder that wrote `model_dir` and the step its weights are from (None: the
+    run's last), for a reader of the run's records (metrics.jsonl) about these weights; the
+    best and a checkpoint sit below the run folder, not in it. None for a folder not a run's."""
+    origin = _origin(Path(model_dir))
+    if origin is None:
+        return None
+    _, run, record = origin
+    step = record.get("step")
+    return run, step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -1,8 +1,8 @@
 """The pieces of the commands that serve an export, which `draftsmith export` prints for the
 folder it wrote. Each method's formats module (models/formats/<method>.py, `serve`) composes
 its own lines from these, from what was written (its config.json) and from the target (the
-tile rule's D, docs/design.md section 3), so the README's commands and the code cannot
-disagree.
+tile rule's D, docs/design.md section 3, at the tile the run recorded: `recorded_tile`), so the
+README's commands and the code cannot disagree.
 
 An EAGLE-style chain (SGLang `--speculative-num-steps S --speculative-eagle-topk 1
 --speculative-num-draft-tokens S + 1`, the verified rows with the root; vLLM
@@ -19,6 +19,8 @@ import json
 import shlex
 from pathlib import Path
 
+from draftsmith.errors import DraftsmithError
+from draftsmith.fields import DEFAULT_TILE
 from draftsmith.fsutil import read_json
 from draftsmith.models.dtypes import config_dtype, dtype_name
 from draftsmith.models.tile import plan_tile, read_target_config
@@ -40,20 +42,39 @@ def engine_args(target_dir: str | Path) -> tuple[str, str, str]:
     return model, dtype, f"--model-path {model} --dtype {dtype}"
 
 
-def chain(target_dir: str | Path, steps: int | None) -> tuple[str, int]:
+def recorded_tile(folder: str | Path) -> int:
+    """The verify tile the drafter in `folder` was sized for: target.tile of the recipe its
+    run saved (RUN/recipe.yaml, what `eval --recipe RUN/recipe.yaml` honours), else
+    DEFAULT_TILE for a folder no run recorded. The one value is read as data: models/ never
+    imports the recipe (design.md section 5), and the run's other keys may predate a rename."""
+    import yaml
+
+    from draftsmith.models.run_weights import weights_run
+
+    run = weights_run(folder)
+    saved = run[0] / "recipe.yaml" if run else None
+    if saved is None or not saved.is_file():
+        return DEFAULT_TILE
+    try:
+        data = yaml.safe_load(saved.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        raise DraftsmithError(f"{saved}: the run's recorded recipe is not valid YAML") from None
+    target = data.get("target") if isinstance(data, dict) else None
+    tile = target.get("tile", DEFAULT_TILE) if isinstance(target, dict) else DEFAULT_TILE
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise DraftsmithError(f"{saved}: target.tile: must be a whole number of at least 1, got {tile!r}")
+    return tile
+
+
+def chain(target_dir: str | Path, steps: int | None, tile: int) -> tuple[str, int]:
     """SGLang's flags of an EAGLE-style chain of `steps` drafts (default: the references'),
-    never past the tile rule's D, and that length; ("", 0) where the tile leaves no draft."""
-    d = plan_tile(read_target_config(target_dir)).D
+    never past the tile rule's D on a `tile`-row verify kernel, and that length; ("", 0) where
+    the tile leaves no draft."""
+    d = plan_tile(read_target_config(target_dir), tile).D
     if d < 1:
         return "", 0
     d = min(d, steps or REFERENCE_CHAIN_STEPS)
     return f"--speculative-num-steps {d} --speculative-eagle-topk 1 --speculative-num-draft-tokens {d + 1}", d
-
-
-def block_size(config: dict) -> int | None:
-    """A block drafter's block size as its layout records it (z-lab's and DeepSpec's key)."""
-    block = (config.get("dflash_config") or {}).get("block_size") or config.get("block_size")
-    return None if block is None else int(block)
 
 
 def printed(notes: list[str], commands: list[str]) -> list[str]:

@@ -8,10 +8,8 @@ Layer ids are "output of decoder layer i", 0-based, everywhere in draftsmith. Th
 captured with forward hooks on the decoder layers: `output_hidden_states` would hand back
 the *normed* output for the last layer, which is not what serving engines capture.
 
-Two kinds of target cache, both handled only here: transformers' DynamicCache (grows, is
-cropped by -n), and its StaticCache (preallocated, fixed addresses: what CUDA graphs need),
-rolled back by moving its write position. `CompiledVerify` is the verify forward under
-torch.compile over a static cache.
+The target's KV caches are handled in target_cache.py, its verify forward under
+torch.compile in compiled_verify.py, and a path becoming its folder in model_dir.py.
 """
 
 from __future__ import annotations
@@ -58,8 +56,12 @@ _FFN_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 def target_shape(config) -> TargetShape:
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
+        from draftsmith.registry import METHODS
+
+        others = ", ".join(n for n, s in METHODS.items() if not s.reads_target_features)
         raise DraftsmithError(f"target {type(config).__name__} has no attention heads (a recurrent model): the "
-                              "hidden-state drafters take the target's attention shape; use ngram or a draft model")
+                              f"hidden-state drafters take the target's attention shape; use one that reads none "
+                              f"({others})")
     return TargetShape(
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -258,209 +260,6 @@ def target_forward(
     return TargetOutput(logits=out.logits, hidden=dict(hidden), cache=new_cache if cache is not None else None)
 
 
-def new_cache(model: nn.Module, rollback: int = 1):
-    """A DynamicCache that can be rolled back by up to `rollback` tokens.
-
-    Sliding-window and linear-attention layers drop rows past their window (or kernel) as
-    they go, which a rejected draft's crop could then not undo; told to record their past,
-    they keep those rows until the next `crop_cache`. A recurrent state (Mamba, gated
-    delta-net) cannot be recomputed backwards: transformers (>= 5.25, the floor) keeps the
-    states after each of a forward's last `rollback` tokens, so a verify of 1 + D tokens
-    needs `rollback >= 1 + D`.
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    cache.activate_past_recording(recurrent_states_to_keep=max(1, int(rollback)))
-    return cache
-
-
-def new_static_cache(model: nn.Module, max_len: int):
-    """A transformers StaticCache of `max_len` tokens, its buffers allocated by the first forward.
-
-    A StaticLayer writes each forward at its length counter, `cumulative_length` (a device
-    tensor, so that a compiled graph reads it rather than baking it in), and reports the
-    whole buffer as the keys; the causal mask transformers builds from that counter hides
-    every slot past the query positions. So keeping the first n tokens is setting the
-    counter to n (`crop_cache`): rows past it are never read and the next forward overwrites
-    them. A tree verify passes its own 4D mask, which must then span all `max_len` slots.
-    """
-    from transformers import StaticCache
-
-    impl = getattr(model.config, "_attn_implementation", "") or ""
-    if "flash" in impl:
-        # flash-attn takes no mask: it would read the stale slots past the write position
-        raise DraftsmithError(f"a static target cache needs a masked attention (sdpa or eager), "
-                              f"not attn_implementation={impl!r}")
-    cache = StaticCache(config=model.config, max_cache_len=int(max_len))
-    if any(cache.is_sliding):
-        raise DraftsmithError("a static target cache needs full-attention layers; use the dynamic cache")
-    return cache
-
-
-def is_static_cache(cache) -> bool:
-    from transformers import StaticCache
-
-    return isinstance(cache, StaticCache)
-
-
-def cache_length(cache) -> int:
-    """Tokens in the cache as a Python int (a StaticCache reports a device tensor)."""
-    return int(cache.get_seq_length())
-
-
-def crop_cache(cache, keep: int) -> None:
-    """Keep the first `keep` tokens of the cache.
-
-    A DynamicCache is cropped by -n (transformers 5 refuses a positive argument). A
-    StaticCache gets its write position set to `keep` (see `new_static_cache`), without
-    reading its length: that read would wait for the device.
-    """
-    if is_static_cache(cache):
-        if not 0 <= keep <= cache.get_max_length():
-            raise ValueError(f"cannot set a static cache of {cache.get_max_length()} slots to {keep} tokens")
-        for layer in cache.layers:
-            layer.cumulative_length.fill_(keep)
-        return
-    drop = cache.get_seq_length() - keep
-    if drop < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} tokens to {keep}")
-    if drop:
-        _check_rollback(cache, drop)
-    cache.crop(-drop)  # crop(0) too: it trims the rows that recording layers kept past their window
-
-
-def _check_rollback(cache, drop: int) -> None:
-    """Refuse a crop of `drop` tokens that the cache cannot undo exactly."""
-    if not getattr(cache, "is_croppable", True):
-        raise DraftsmithError("this target's cache cannot be rolled back past rejected drafts; "
-                              "decode it without drafts")
-    for layer in cache.layers:
-        history = getattr(layer, "recurrent_states_history", {}).get(0)
-        if history is not None and layer.is_recurrent_states_initialized[0] and drop > len(history):
-            # transformers would restore a state from before the tokens it should keep
-            raise ValueError(f"cannot roll a recurrent state back {drop} tokens: the cache kept {len(history)} "
-                             "(new_cache's `rollback` sizes it)")
-
-
-def tree_cache_problem(cache) -> str | None:
-    """Why a tree's accepted path cannot be gathered in this cache (None: it can). The
-    gather moves rows by absolute slot, which only plain full-attention layers keep."""
-    from transformers.cache_utils import DynamicLayer, StaticLayer
-
-    if any(getattr(cache, "is_sliding", ())):
-        return "this target has sliding-window layers"
-    other = sorted({type(layer).__name__ for layer in cache.layers if type(layer) not in (DynamicLayer, StaticLayer)})
-    if other:
-        return f"this target's cache has {', '.join(other)} layers"
-    return None
-
-
-def keep_cache_rows(cache, first: int, rows: list[int]) -> None:
-    """Move KV rows `rows` (absolute, increasing, each >= its destination) onto
-    `first, first + 1, ...` and drop everything after them. Either kind of cache: a row's
-    slot is its token position in both."""
-    moved = [(dst, src) for dst, src in enumerate(rows, start=first) if dst != src]
-    if moved:
-        dst = torch.tensor([d for d, _ in moved])
-        src = torch.tensor([s for _, s in moved])
-        for layer in cache.layers:
-            dst, src = dst.to(layer.keys.device), src.to(layer.keys.device)
-            layer.keys[:, :, dst] = layer.keys[:, :, src]
-            layer.values[:, :, dst] = layer.values[:, :, src]
-    crop_cache(cache, first + len(rows))
-
-
-# ---- the compiled verify forward --------------------------------------------------------
-
-
-class _LayerRecorder:
-    """Keeps the outputs of hooked decoder layers while `active`.
-
-    One per model, its hooks installed once and never removed: a compiled graph inlines the
-    hooks present when it was traced (dynamo does not guard on hooks), so the per-call hooks
-    of `capture_layers` would leave a graph writing into a dead call's dict. Outside a
-    compiled verify the hooks return at once.
-    """
-
-    def __init__(self):
-        self.active = False
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.hooked: set[int] = set()
-
-
-_RECORDERS: "weakref.WeakKeyDictionary[nn.Module, _LayerRecorder]" = weakref.WeakKeyDictionary()
-
-
-def _layer_recorder(model: nn.Module, layer_ids: tuple[int, ...]) -> _LayerRecorder:
-    recorder = _RECORDERS.setdefault(model, _LayerRecorder())
-    layers = decoder_layers(model)
-    for i in layer_ids:
-        if i not in recorder.hooked:
-            def hook(_module, _inputs, output, i=i):
-                if recorder.active:
-                    recorder.outputs[i] = output[0] if isinstance(output, tuple) else output
-            layers[i].register_forward_hook(hook)
-            recorder.hooked.add(i)
-    return recorder
-
-
-def _verify_graph(model, recorder, capture, cache_name, input_ids, position_ids, attention_mask, cache):
-    """What torch.compile captures: one target forward, and the recorded layers as outputs."""
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                use_cache=True, **{cache_name: cache})
-    return out.logits, tuple(recorder.outputs.pop(i) for i in capture)
-
-
-def compile_options(device: torch.device) -> dict:
-    """torch.compile settings of the verify forward. On CUDA, 'reduce-overhead' (CUDA graphs:
-    they replay fixed shapes at fixed addresses, hence the static cache and padded verify);
-    elsewhere inductor's default. One graph (fullgraph) and no dynamic shapes either way."""
-    mode = "reduce-overhead" if device.type == "cuda" else None
-    return {"mode": mode, "fullgraph": True, "dynamic": False}
-
-
-class CompiledVerify:
-    """`target_forward` for verify passes, under torch.compile, over a static cache.
-
-    Callers keep shapes fixed (the decoder pads every verify to 1 + D rows), so one graph
-    serves every step: one for chains (causal mask built inside the graph from the cache's
-    write position) and one for trees (the caller's 4D mask). Outputs of a CUDA graph are
-    overwritten by its next replay, so they are copied out; elsewhere they are returned as is.
-    """
-
-    def __init__(self, model: nn.Module, capture: Iterable[int] = ()):
-        self.model = model
-        self.capture = tuple(sorted(set(int(i) for i in capture)))
-        check_layer_ids(model, self.capture)
-        self.recorder = _layer_recorder(model, self.capture)
-        device = next(model.parameters()).device
-        options = compile_options(device)
-        self.cuda_graphs = options.get("mode") == "reduce-overhead"
-        self._graph = torch.compile(_verify_graph, **options)
-
-    def __call__(self, input_ids: torch.Tensor, cache, position_ids: torch.Tensor | None = None,
-                 attention_mask: torch.Tensor | None = None) -> TargetOutput:
-        if not is_static_cache(cache):
-            raise DraftsmithError("a compiled verify needs a static target cache")
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are done with
-        self.recorder.active = True
-        try:
-            logits, hidden = self._graph(self.model, self.recorder, self.capture, cache_kwarg(self.model),
-                                         input_ids, position_ids, attention_mask, cache)
-        except torch._dynamo.exc.Unsupported as exc:
-            raise DraftsmithError(f"torch.compile cannot capture this target's verify in one graph "
-                                  f"({first_lines(exc, 1)}); "
-                                  "run without compile") from None
-        finally:
-            self.recorder.active = False
-            self.recorder.outputs.clear()
-        if self.cuda_graphs:
-            logits, hidden = logits.clone(), tuple(h.clone() for h in hidden)
-        return TargetOutput(logits=logits, hidden=dict(zip(self.capture, hidden)), cache=cache)
-
-
 def freeze(model: nn.Module) -> nn.Module:
     model.eval()
     for p in model.parameters():
@@ -504,38 +303,22 @@ def build_tiny_target(seed: int = 0, **config_kwargs) -> nn.Module:
     return model
 
 
-def find_model_dir(path: str | Path, require: str = "") -> Path | str:
-    """The one place a path on the command line becomes a model folder: a training run
-    folder stands for its best weights (RUN/best/model) or else the model it wrote last
-    (RUN/model; models/run_weights.py), a checkpoint folder for its own, a model folder for itself, and a hub
-    name for its snapshot in the Hugging Face cache (downloaded there first when online,
-    models/hub.py). A name found nowhere stays a string, for the loader to name what is
-    wrong. With `require` (what the path is for, e.g. "target"), it must come to a folder
-    with a config.json. A GGUF file (a `.gguf` path, a folder holding one, or an embedded
-    name such as `smollm2-135m-instruct`) stands for the folder it is converted into once
-    (models/gguf.py)."""
-    from draftsmith.models.gguf import gguf_folder
-    from draftsmith.models.hub import hub_snapshot, looks_like_repo_id
-    from draftsmith.models.run_weights import run_weights
-
-    converted = gguf_folder(path)
-    if converted is not None:
-        return converted
-    local = Path(path)
-    weights = run_weights(local)
-    if weights is not None:
-        return weights
-    if not local.exists() and looks_like_repo_id(path):
-        try:
-            return hub_snapshot(str(path), what=require or "model")
-        except DraftsmithError as exc:
-            if require:
-                raise DraftsmithError(f"{require} {path}: no such folder (a model folder or a training run "
-                                      f"folder), nor a hub model: {str(exc).split(': ', 1)[-1]}") from None
-            return str(path)
-    if require and not (local / "config.json").is_file():
-        raise DraftsmithError(f"{require} {path}: no config.json (a model folder or a training run folder)")
-    return local if local.exists() or require else str(path)
+def untrusted_weights(info: dict, unexpected: bool = False) -> str:
+    """What `from_pretrained(..., output_loading_info=True)` says is wrong with a target's
+    weights, in words ("" when nothing). Weights missing from the files or of another shape
+    are initialised at random, which transformers only warns of: a target like that drafts
+    and decodes without error and is silently another model, so it is refused. Weights the
+    model has no place for (`unexpected`) are refused only where asked (a GGUF conversion):
+    a folder may carry more than its architecture reads, as DeepSeek-style targets carry
+    their MTP layers past the last decoder layer. Tied weights are never missing."""
+    problems = [("newly initialised (missing from the files)", sorted(info.get("missing_keys") or ())),
+                ("newly initialised (another shape in the files)",
+                 sorted(str(k[0]) for k in info.get("mismatched_keys") or ())),
+                ("in the files but not in the model", sorted(info.get("unexpected_keys") or ()) if unexpected else [])]
+    said = [f"{len(keys)} weight(s) {what}: {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}"
+            for what, keys in problems if keys]
+    said += [str(message).strip().splitlines()[0] for message in info.get("error_msgs") or () if str(message).strip()][:1]
+    return "; ".join(said)
 
 
 def load_target(path: str | Path, dtype: str = "auto", device: str | torch.device | None = None,
@@ -556,12 +339,15 @@ def load_target(path: str | Path, dtype: str = "auto", device: str | torch.devic
                                   "installed (pip install flash-attn, or use sdpa)")
         kwargs["attn_implementation"] = attn_implementation
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(str(path), output_loading_info=True, **kwargs)
     # Whatever a corrupt folder makes transformers raise (a JSON error, a config field's
     # validation error, safetensors' error on a truncated file, a KeyError on an unknown
     # model_type) is about the user's files: name the folder and the first lines.
     except Exception as exc:
         raise DraftsmithError(f"cannot load target {path}: {first_lines(exc)}") from None
+    problem = untrusted_weights(info)
+    if problem:
+        raise DraftsmithError(f"cannot load target {path}: {problem}")
     if device is not None:
         model.to(device)
     return freeze(model) if frozen else model

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError, first_lines
+from draftsmith.fields import DEFAULT_TILE
 from draftsmith.fsutil import read_json
+from draftsmith.registry import METHODS, import_ref
 
 # GPT-2 style configs (GPT-BigCode/StarCoder, old Falcon) spell the head count `n_head`,
 # MPT and DBRX `n_heads`.
@@ -42,7 +44,7 @@ def has_heads(config: dict) -> bool:
     return any(config.get(key) for key in _HEAD_KEYS)
 
 
-def plan_tile(config, tile: int = 128, tp: int = 1) -> TilePlan:
+def plan_tile(config, tile: int = DEFAULT_TILE, tp: int = 1) -> TilePlan:
     """Size the draft for `config` (a dict or a transformers config) on a verify kernel
     with `tile` rows at tensor parallel `tp`."""
     config = as_dict(config)
@@ -164,16 +166,6 @@ def _cached_hub_config(name: str) -> dict:
         ) from None
 
 
-# Every published DFlash configuration uses a block of 8, 10 or 16 (loss decay gamma 4 to
-# 7); a block past 16 is untested territory, so `block_size: auto` stops there.
-MAX_AUTO_BLOCK = 16
-
-
-def auto_block(plan: TilePlan, first_prediction_slot: int = 1) -> int:
-    """`block_size: auto` for DFlash (slot 1: 1 + D) and DSpark (slot 0: D), capped at 16."""
-    return min(plan.D + first_prediction_slot, MAX_AUTO_BLOCK)
-
-
 def tree_budget(plan: TilePlan) -> int:
     """Tree nodes, root included, that fit one tile (the root always exists)."""
     return max(1, plan.tile // plan.G)
@@ -207,11 +199,7 @@ def format_plan(plan: TilePlan) -> str:
     else:
         nodes = tree_budget(plan)
         lines.append(f"D      {plan.D} drafts in a chain, or a tree of {nodes} nodes with the root")
-        block = auto_block(plan)
-        capped = (f", capped at {MAX_AUTO_BLOCK} (the largest published DFlash block; set block_size and gamma "
-                  f"in the recipe to go past it)") if block < plan.D + 1 else ""
-        lines.append(f"block  DFlash block_size auto = {block} ({block - 1} drafts; DSpark: {auto_block(plan, 0)} "
-                     f"drafts){capped}")
+        lines += method_lines(plan)
     lines += [
         "",
         "G is the group size (query heads per KV head) that the verify kernel packs, with the "
@@ -225,6 +213,12 @@ def format_plan(plan: TilePlan) -> str:
         label = f"{d} = D" if d == plan.D else str(d)
         lines.append(f"| {label} | {rows_used(plan, d)} | {tiles_launched(plan, d)} |")
     return "\n".join(lines)
+
+
+def method_lines(plan: TilePlan) -> list[str]:
+    """The lines of the methods that size their drafter by the plan (the registry's `plan_line`)."""
+    return [import_ref(spec.plan_line, f"method {spec.name!r}'s plan_line")(plan)
+            for spec in METHODS.values() if spec.plan_line]
 
 
 def plan_command(target_path: str, tile: int, tp: int) -> str:

@@ -34,24 +34,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from bench_demo import summarize
+from bench_demo import run_script, summarize
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.combine import read_runs
-from draftsmith.fsutil import atomic_file, read_json, write_json
-from draftsmith.models.target import find_model_dir
+from draftsmith.fsutil import atomic_file, output_lock, read_json, write_json
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.tile import read_target_config
 from draftsmith.recipe import load_recipe, read_yaml
-from draftsmith.registry import config_class
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {name: ROOT / "recipes" / "tiny" / f"{name}.yaml" for name in ("dflash", "eagle3")}
 LOCK = "/tmp/draftsmith-cpu.lock"  # the shared one-job-at-a-time lock of this machine's CPUs
 
 # Recipe -> row name -> overrides of RECIPES[recipe]: one factor at a time from base. Gammas
-# are DFlash's for each block (models/dflash.py default_gamma by drafts), given so a base
+# are DFlash's for each block (models/dflash_reference.py default_gamma by drafts), given so a base
 # gamma cannot leak in.
 DFLASH_ROWS: dict[str, tuple[str, ...]] = {
     "base": (),
@@ -102,13 +100,10 @@ def row_recipe(kind: str, name: str, target: str, extra: tuple[str, ...] = ()):
 
 
 def resolve(recipe, target_config: dict):
-    """The drafter config training would build (train/dflash.py build_drafter); the mask id
-    is the same for every row, so any valid one resolves the shape. EAGLE-3's has neither a
-    mask id nor a tile (train/eagle3.py), and reads the target's config as attributes."""
-    if recipe.method.name == "eagle3":
-        return config_class("eagle3").from_target(SimpleNamespace(**target_config), **recipe.method.params)
-    params = {"mask_token_id": 0, **recipe.method.params}
-    return config_class(recipe.method.name).from_target(target_config, tile=recipe.target.tile, **params)
+    """The drafter config training would build (train/<method>.py's `drafter_config`): what a
+    run picks from its rows (a mask id) is a placeholder there, the same for every row."""
+    return recipe.method.spec.load("training").drafter_config(target_config, recipe.method.params,
+                                                              recipe.target.tile)
 
 
 def plan_rows(kind: str, names: list[str], target: str,
@@ -145,12 +140,9 @@ def _same_run(recipe, config, base_recipe, base) -> bool:
             and settings(recipe) == settings(base_recipe))
 
 
-def describe(config) -> str:
-    if not hasattr(config, "block_size"):  # EAGLE-3
-        return (f"TTT {config.ttt_length} steps, decay {config.ttt_decay:g}, draft vocabulary {config.draft_vocab_size}, "
-                f"loss {config.loss}, context layers {config.target_layer_ids}")
-    return (f"B {config.block_size}, gamma {config.gamma:g}, {config.num_anchors} anchors, {config.num_layers} layers, "
-            f"{config.num_kv_heads} KV heads, context layers {config.target_layer_ids}")
+def describe(recipe, config) -> str:
+    """`config` in a line, as the recipe's method describes its drafters (train/<method>.py)."""
+    return recipe.method.spec.load("training").describe(config)
 
 
 class Bench:
@@ -375,47 +367,41 @@ def main(argv=None) -> None:
         parser.error(f"--rows: {', '.join(unknown)} not among {kind}'s rows ({' '.join(ROWS[kind])})")
     target = str(Path(args.target).resolve())
     out = (args.out or ROOT / "runs" / ("bench_ablation" if kind == "dflash" else f"bench_ablation_{kind}")).resolve()
-    target_config = read_target_config(find_model_dir(target, require="target"))
-    rows, skipped = plan_rows(kind, list(dict.fromkeys(names)), target, target_config)
-    for name, why in skipped.items():
-        print(f"{name}: {why}; not run", flush=True)
-    base = describe(resolve(row_recipe(kind, "base", target), target_config))
-    bench = Bench(kind, target, out, args.seconds)
+    with output_lock(out):  # one bench into one folder at a time
+        target_config = read_target_config(find_model_dir(target, require="target"))
+        rows, skipped = plan_rows(kind, list(dict.fromkeys(names)), target, target_config)
+        for name, why in skipped.items():
+            print(f"{name}: {why}; not run", flush=True)
+        base_recipe = row_recipe(kind, "base", target)
+        base = describe(base_recipe, resolve(base_recipe, target_config))
+        bench = Bench(kind, target, out, args.seconds)
 
-    if args.summarize_only:
-        calibration = read_json(out / "calibration.json")
-        missing = [name for name in rows if name not in calibration]
-        if missing:
-            sys.exit(f"{out / 'calibration.json'}: no calibration for {', '.join(missing)}")
-        for seed in args.seeds:
-            for name in rows:
-                if (out / f"seed{seed}" / name / "model").exists():
-                    check_steps(out / f"seed{seed}" / name, bench.steps(calibration[name]))
-    else:
-        bench.warm_data(0)
-        calibration = bench.calibrate(rows)
-        for seed in args.seeds:
-            if seed != 0:
-                bench.warm_data(seed)
-            bench.train_seed(seed, rows, calibration)
-            bench.evaluate_seed(seed, rows)
-    per_seed = {seed: seed_reports(out / f"seed{seed}", list(rows)) for seed in args.seeds}
-    steps = {name: run_steps(out / f"seed{args.seeds[0]}" / name) for name in rows}
-    summary = summarize_rows(per_seed, steps, calibration)
-    text = markdown(summary, args.seconds, args.seeds, base, skipped)
-    write_json(out / "ablation.json", {"recipe": kind, "seconds": args.seconds, "seeds": args.seeds, "base": base,
-                                       "rows": summary, "skipped": skipped})
-    with atomic_file(out / "ablation.md") as handle:
-        handle.write(text)
+        if args.summarize_only:
+            calibration = read_json(out / "calibration.json")
+            missing = [name for name in rows if name not in calibration]
+            if missing:
+                sys.exit(f"{out / 'calibration.json'}: no calibration for {', '.join(missing)}")
+            for seed in args.seeds:
+                for name in rows:
+                    if (out / f"seed{seed}" / name / "model").exists():
+                        check_steps(out / f"seed{seed}" / name, bench.steps(calibration[name]))
+        else:
+            bench.warm_data(0)
+            calibration = bench.calibrate(rows)
+            for seed in args.seeds:
+                if seed != 0:
+                    bench.warm_data(seed)
+                bench.train_seed(seed, rows, calibration)
+                bench.evaluate_seed(seed, rows)
+        per_seed = {seed: seed_reports(out / f"seed{seed}", list(rows)) for seed in args.seeds}
+        steps = {name: run_steps(out / f"seed{args.seeds[0]}" / name) for name in rows}
+        summary = summarize_rows(per_seed, steps, calibration)
+        text = markdown(summary, args.seconds, args.seeds, base, skipped)
+        write_json(out / "ablation.json", {"recipe": kind, "seconds": args.seconds, "seeds": args.seeds, "base": base,
+                                           "rows": summary, "skipped": skipped})
+        with atomic_file(out / "ablation.md") as handle:
+            handle.write(text)
     print(text)
-
-
-def run_script(main) -> None:
-    """A bench script's entry: a DraftsmithError is one line and exit status 1."""
-    try:
-        main()
-    except DraftsmithError as exc:
-        sys.exit(f"error: {exc}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ from draftsmith.data.posthoc_rows import rows_settings
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.combine import read_runs
 from draftsmith.eval.report import setting_name
-from draftsmith.fsutil import atomic_file, read_json, write_json
+from draftsmith.fields import finite
+from draftsmith.fsutil import atomic_file, output_lock, read_json, write_json
 from draftsmith.recipe import load_recipe, read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,7 +199,15 @@ def main(argv=None) -> None:
     parser.add_argument("--features", type=Path, help="the feature cache (default OUT/features, built if absent)")
     parser.add_argument("--summarize-only", action="store_true", help="read finished runs and their eval; run nothing")
     args = parser.parse_args(argv)
+    for budget in args.budgets:  # before the feature cache, which takes longer than a small budget
+        if not (finite(budget, "--budgets") > 0):
+            raise DraftsmithError(f"--budgets: each is training seconds, more than 0; got {budget:g}")
     out = args.out.resolve()
+    with output_lock(out):  # one bench into one folder at a time
+        _bench(args, out)
+
+
+def _bench(args, out: Path) -> None:
     features = (args.features or out / "features").resolve()
     benches = {m: BudgetBench(m, out / m, features, args.seed, max(args.budgets), args.conversations)
                for m in args.methods}

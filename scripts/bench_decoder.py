@@ -29,14 +29,14 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import tempfile
 import time
 
 import torch
 
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
+from draftsmith.eval.proposers import proposer_from_arg
 from draftsmith.eval.proposers.base import NoProposer
-from draftsmith.eval.proposers.draft_lm import DraftLMProposer
-from draftsmith.eval.proposers.ngram import NgramProposer
 from draftsmith.models.target import build_tiny_target, decoder_layers, freeze, load_target
 
 
@@ -179,6 +179,16 @@ def main(argv=None) -> int:
     else:
         target, draft = (m.to(device) for m in tiny_world(args.draft_layers or 1, args.damp))
         prompts = make_prompts(target.config.vocab_size, args.prompts, args.seed)
+    # Our drafters are built as `eval --drafter` builds them (the registry's proposers; the draft
+    # model read from a folder: --draft, or the twin saved), transformers' from the same weights.
+    with tempfile.TemporaryDirectory(prefix="bench_decoder_twin_") as twin_dir:  # removed when the run ends
+        if not args.draft:
+            draft.save_pretrained(twin_dir)
+        return compare(args, target, draft, prompts, device, args.draft or twin_dir)
+
+
+def compare(args, target, draft, prompts, device, draft_dir) -> int:
+    """Ours and transformers' greedy decoding of `prompts`, side by side, drafting with `draft` (saved in `draft_dir`)."""
     D = default_num_draft(target.config) if args.num_draft is None else args.num_draft
     eos = target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
@@ -187,12 +197,12 @@ def main(argv=None) -> int:
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0  # always draft D, as ours does
     counter = ForwardCounter(target)
-
     ours = {
         "plain": lambda: SpeculativeDecoder(target, NoProposer(), num_draft=0),
-        "prompt lookup": lambda: SpeculativeDecoder(target, NgramProposer(max_ngram=4), num_draft=D),
-        "lookup, hf way": lambda: SpeculativeDecoder(target, NgramProposer(4, latest=False, extend=False), num_draft=D),
-        "draft model": lambda: SpeculativeDecoder(target, DraftLMProposer(draft, target), num_draft=D),
+        "prompt lookup": lambda: SpeculativeDecoder(target, proposer_from_arg("ngram", target), num_draft=D),
+        "lookup, hf way": lambda: SpeculativeDecoder(target, proposer_from_arg("ngram_earliest", target), num_draft=D),
+        "draft model": lambda: SpeculativeDecoder(target, proposer_from_arg(f"draft_lm:{draft_dir}", target),
+                                                  num_draft=D),
     }
     theirs = {
         "plain": {},

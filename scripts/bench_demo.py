@@ -13,8 +13,6 @@ published small-target figures, for calibration only. The README's demo table qu
     python scripts/bench_demo.py --summarize-only    # re-read finished runs, train nothing
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import os
@@ -25,14 +23,14 @@ import sys
 import time
 from pathlib import Path
 
-from safetensors import safe_open
-
+from draftsmith.errors import DraftsmithError
 from draftsmith.eval.combine import read_runs
 from draftsmith.eval.proposers import split_label
 from draftsmith.eval.report import setting_name
-from draftsmith.fsutil import atomic_file, read_json, write_json
+from draftsmith.fsutil import atomic_file, open_safetensors, output_lock, read_json, write_json
 from draftsmith.models.run_weights import BEST, BEST_RECORD
 from draftsmith.recipe import read_yaml
+from draftsmith.schema import Count, PositiveInt, Schema, validated
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGE_LINE = re.compile(r"^== (\w+): (\d+) s$", re.M)  # scripts/demo.sh's line when a stage ends
@@ -70,7 +68,59 @@ def run_seed(seed: int, out: Path, overrides: str) -> float:
 
 def _recorded_seconds(runs: Path) -> float:
     path = runs / "wall_seconds"
-    return float(path.read_text()) if path.is_file() else 0.0
+    if not path.is_file():
+        return 0.0
+    text = path.read_text(errors="replace").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):  # what a crash or an edit left: say which file
+        raise DraftsmithError(f"{path}: expected the run's wall seconds, got {text[:40]!r}; remove it to leave "
+                              "the run untimed")
+    return seconds
+
+
+# What the summary reads of a finished run (scripts/demo.sh's run folders), checked where read.
+# (No `from __future__ import annotations` here: pydantic resolves these nested types from the
+# module, which the tests load without registering it.)
+class _TrainRecord(Schema):  # what run_schedule reads
+    max_steps: PositiveInt
+    batch_size: PositiveInt
+    grad_accum: PositiveInt = 1
+
+
+class _ScheduleRecipe(Schema):
+    train: _TrainRecord
+
+
+class _BudgetTrain(_TrainRecord):  # and run_budget
+    seq_len: PositiveInt
+
+
+class _BudgetRecipe(Schema):
+    train: _BudgetTrain
+    data: dict
+    method: dict = {}
+
+
+class _BestRecord(Schema):
+    step: Count
+
+
+class _Splits(Schema):
+    train: PositiveInt
+
+
+class _Manifest(Schema):
+    splits: _Splits
+    rows_file: str
+
+
+def _run_recipe(run: Path, schema: type[Schema]) -> dict:
+    recipe = read_yaml(run / "recipe.yaml")
+    validated(schema, recipe, str(run / "recipe.yaml"))
+    return recipe
 
 
 def stage_seconds(runs: Path) -> dict[str, float]:
@@ -86,10 +136,11 @@ def run_schedule(run: Path, recipe: dict | None = None) -> dict:
     """A run's optimizer steps, rows per step (batch x accumulation), and the step of the
     weights eval loaded: RUN/best when the run kept one (eval reads it first), else the last.
     `recipe`: the run's recipe.yaml when the caller has read it already."""
-    train = (recipe or read_yaml(run / "recipe.yaml"))["train"]
+    train = (recipe or _run_recipe(run, _ScheduleRecipe))["train"]
     trained = int(train["max_steps"])
     best = run / BEST / BEST_RECORD
-    return {"trained_steps": trained, "eval_step": read_json(best)["step"] if best.is_file() else trained,
+    evaluated = validated(_BestRecord, read_json(best), str(best)).step if best.is_file() else trained
+    return {"trained_steps": trained, "eval_step": evaluated,
             "batch": int(train["batch_size"]) * int(train.get("grad_accum", 1))}
 
 
@@ -99,7 +150,7 @@ def run_budget(run: Path) -> dict:
     `splits.train` rows): epochs over those rows, and their mean answer (loss-masked) tokens
     per row times the rows seen; a pretraining run packs its rows full, so every position
     of every row seen is a token. `builds_on`: the run a frozen backbone came from."""
-    recipe = read_yaml(run / "recipe.yaml")
+    recipe = _run_recipe(run, _BudgetRecipe)
     schedule = run_schedule(run, recipe)
     rows = schedule["eval_step"] * schedule["batch"]
     backbone = recipe.get("method", {}).get("backbone")
@@ -109,8 +160,9 @@ def run_budget(run: Path) -> dict:
     if recipe["data"].get("feature_cache"):  # its manifest and rows file: the features may be gone by now
         cache = ROOT / recipe["data"]["feature_cache"]
         manifest = read_json(cache / "manifest.json")
+        validated(_Manifest, manifest, str(cache / "manifest.json"))
         n_train = int(manifest["splits"]["train"])
-        with safe_open(str(cache / manifest["rows_file"]), "pt") as stored:
+        with open_safetensors(cache / manifest["rows_file"]) as stored:
             answer_tokens = float(stored.get_slice("loss_mask")[:n_train].sum())
         budget.update(train_rows=n_train, epochs=rows / n_train, tokens_seen=rows * answer_tokens / n_train)
     return budget
@@ -166,10 +218,10 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
         distinct, looping = {}, {}
         for seed, reports in sorted(per_seed.items()):
             if label not in reports:
-                raise ValueError(f"seed {seed} has no {label} report")
+                raise DraftsmithError(f"seed {seed} has no {label} report")
             report = reports[label]
-            distinct[seed] = report["baseline"]["distinct_4gram"]
-            looping[seed] = report["baseline"].get("looping_prompts")
+            distinct[seed] = report["plain"]["distinct_4gram"]
+            looping[seed] = report["plain"].get("looping_prompts")
             for row in report["drafters"]:
                 taus.setdefault(row["name"], {})[seed] = row["tau"]
                 speedup.setdefault(row["name"], {})[seed] = row["speedup"]
@@ -179,7 +231,7 @@ def summarize(per_seed: dict[int, dict[str, dict]]) -> dict:
                     no_loop.setdefault(row["name"], {})[seed] = row["tau_no_loop"]
         for name, values in taus.items():
             if len(values) != len(per_seed):
-                raise ValueError(f"{label}: drafter {name} is missing from some seeds' reports")
+                raise DraftsmithError(f"{label}: drafter {name} is missing from some seeds' reports")
         summary[label] = {
             "settings": next(iter(per_seed.values()))[label]["settings"],
             "distinct_4gram": _spread(distinct),
@@ -286,18 +338,28 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     out = args.out.resolve()  # demo.sh runs from the repository root: its RUNS and ours must agree
-    seconds = {}
-    for seed in args.seeds:
-        seconds[seed] = (_recorded_seconds(out / f"seed{seed}") if args.summarize_only
-                         else run_seed(seed, out, args.overrides))
-    per_seed = {seed: read_runs(out / f"seed{seed}" / "report") for seed in args.seeds}
-    summary, budget = summarize(per_seed), budgets(per_seed, out)
-    text = markdown(summary, seconds) + "\n" + budget_markdown(budget)
-    write_json(out / "summary.json", {"summary": summary, "budget": budget, "wall_seconds": seconds})
-    with atomic_file(out / "summary.md") as handle:
-        handle.write(text)
+    with output_lock(out):  # one bench into one folder at a time (a second would mix their seeds' runs)
+        seconds = {}
+        for seed in args.seeds:
+            seconds[seed] = (_recorded_seconds(out / f"seed{seed}") if args.summarize_only
+                             else run_seed(seed, out, args.overrides))
+        per_seed = {seed: read_runs(out / f"seed{seed}" / "report") for seed in args.seeds}
+        summary, budget = summarize(per_seed), budgets(per_seed, out)
+        text = markdown(summary, seconds) + "\n" + budget_markdown(budget)
+        write_json(out / "summary.json", {"summary": summary, "budget": budget, "wall_seconds": seconds})
+        with atomic_file(out / "summary.md") as handle:
+            handle.write(text)
     print(text)
 
 
+def run_script(main) -> None:
+    """A bench script's entry: a DraftsmithError (a run folder it cannot read, a bad flag) is
+    one line and exit status 1."""
+    try:
+        main()
+    except DraftsmithError as exc:
+        sys.exit(f"error: {exc}")
+
+
 if __name__ == "__main__":
-    main()
+    run_script(main)

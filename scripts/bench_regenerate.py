@@ -3,13 +3,14 @@ in flight to an OpenAI-compatible server), same target, same prompts, same run.
 
 Both write the same file shape; tokens/s counts the reply tokens of each file (the target's
 tokenizer) over the wall-clock time of the whole regeneration. Without --server the script
-starts `transformers serve` on 127.0.0.1 (continuous batching unless --no-continuous-batching)
-and sends it one warm-up request first, outside the timing. Greedy rows are checked equal.
+starts `transformers serve` on 127.0.0.1 (continuous batching unless --no-continuous-batching),
+or with --engine vllm the vLLM engine (`make engine`, eval/engine.py), and sends it one warm-up
+request first, outside the timing. Greedy rows are checked equal.
 
 Without --target the target is the tiny one the tests use (random weights, so replies run
 to the token limit: every reply costs the same number of tokens on both paths).
 
-    python scripts/bench_regenerate.py [--target DIR] [--server URL] [--prompts 32 --new-tokens 64]
+    python scripts/bench_regenerate.py [--target DIR] [--server URL | --engine vllm] [--prompts 32 --new-tokens 64]
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=None, help="a model folder (default: a tiny random target)")
     parser.add_argument("--server", default=None, help="an OpenAI-compatible server serving --target")
+    parser.add_argument("--engine", choices=["vllm"], default=None, help="start the vLLM engine instead of "
+                        "transformers serve (make engine)")
     parser.add_argument("--no-continuous-batching", action="store_true")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-chars", type=int, default=200)
@@ -59,8 +62,11 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from draftsmith.data.local_server import LocalServer
-    from draftsmith.data.regen_server import Limits, ReplyDecoding, ServerClient, decoding_for, regenerate_via_servers
+    from draftsmith.data.regen_server import decoding_for, regenerate_via_servers
     from draftsmith.data.regenerate import embedded_conversations, regenerate
+    from draftsmith.data.reply_decoding import ReplyDecoding
+    from draftsmith.data.server_client import ServerClient
+    from draftsmith.data.server_endpoint import Limits
     from draftsmith.data.tokenizer import load_pretrained_tokenizer
     from draftsmith.models.target import load_target
 
@@ -75,7 +81,13 @@ def main() -> int:
     limits = Limits(in_flight=args.in_flight)
 
     server = None
-    if args.server is None:
+    if args.engine:
+        from draftsmith.eval.engine import Served, VllmServer, engine_python
+        from draftsmith.models.serve import engine_args
+
+        plain = Served("plain", str(target_dir), engine_args(target_dir)[1])
+        server = VllmServer(engine_python(), plain, work / "serve.log", max_model_len=4096)
+    elif args.server is None:
         server = LocalServer(target_dir, work / "serve.log", continuous_batching=not args.no_continuous_batching,
                              device=device or "cpu", threads=args.threads or None)
     url = args.server or server.url
@@ -95,10 +107,10 @@ def main() -> int:
                                         sampling, limits=limits)
         served_s = time.perf_counter() - start
         same = local.read_text() == served.read_text()
+        kind = f"vLLM {args.in_flight} in flight" if args.engine else f"{args.in_flight} in flight" + (
+            ", continuous batching" if server is not None and not args.no_continuous_batching else "")
         rows = [("in-process generate", f"batch {args.batch_size}", reply_tokens(local, tokenizer), local_s),
-                ("server", f"{args.in_flight} in flight" + (", continuous batching" if server is not None and
-                                                            not args.no_continuous_batching else ""),
-                 reply_tokens(served, tokenizer), served_s)]
+                ("server", kind, reply_tokens(served, tokenizer), served_s)]
     finally:
         if server is not None:
             server.stop()

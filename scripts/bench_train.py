@@ -1,9 +1,12 @@
 """What one drafter training step costs, against one forward of the frozen target.
 
-For EAGLE-3, DFlash and DSpark: the time and memory of one training step of the drafter
-(the loss forward, backward, gradient clipping and an AdamW step, what train/loop.py
-does per batch) beside one no-grad forward of the frozen target over the same batch (the
-feature forward train/posthoc.py runs before each step). The target forward is listed
+For every method trained on a frozen target's features (registry.posthoc(): EAGLE-3, DFlash
+and DSpark), its step built through its training class's faces (train/method.py: `new_drafter`,
+`features_of`, `loss_on`), so the script names no method: the time and memory of one training
+step of the drafter (the loss forward, backward, gradient clipping and an AdamW step at the
+lr and clip of the method's tiny recipe, what train/loop.py does per batch) beside one no-grad
+forward of the frozen target over the same batch (the feature forward train/posthoc.py runs
+before each step). The target forward is listed
 separately, not inside the step: a run on cached features (data/feature_cache.py) pays
 the step alone, an online run pays both, which the `online tok/s` column adds up. What a
 method extracts from the forward (EAGLE-3's draft-vocabulary logits) is taken once,
@@ -25,9 +28,9 @@ parameters, buffers and optimizer state (for the target, its weights).
 Shapes. CPU (default): a scaled-down target (hidden 512, 8 layers, 8 query heads over 2
 KV heads, vocab 8192; draft vocab 4096; seq 256, batch 2, 64 DFlash anchors per sequence:
 the anchor density of 512 at 2048). CUDA: hidden 4096, 32 query heads over 8 (G = 4, as
-Llama-3.1-8B), vocab 128256, draft vocab 32000, seq 2048, batch 1, 512 anchors, a 5-layer
-DFlash (reading 4 target layers, all a 4-layer target has); the target has 4 layers, and
-`x fwd @32L` projects the ratio onto a 32-layer one from the time its decoder layers took
+Llama-3.1-8B), vocab 128256, draft vocab 32000, seq 2048, batch 1, 512 anchors, 5 drafter
+layers where a drafter stacks them (DFlash's, reading 4 target layers, all a 4-layer target
+has); the target has 4 layers, and `x fwd @32L` projects the ratio onto a 32-layer one from the time its decoder layers took
 (timed by hooks on the first and last layer). On CUDA the target runs in bf16 and the
 drafters keep fp32 weights under bf16 autocast; on a CPU everything is fp32, as the loop.
 
@@ -58,23 +61,31 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
-from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
-from draftsmith.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.fields import DEFAULT_TILE
 from draftsmith.models.target import decoder_layers, freeze, target_forward, tiny_config
-from draftsmith.registry import posthoc
+from draftsmith.recipe import load_recipe
+from draftsmith.registry import config_class, method_spec, posthoc
+from draftsmith.train.method import StepShape
 
+ROOT = Path(__file__).resolve().parent.parent
 METHODS = tuple(posthoc())  # the methods trained on target features
 PRESETS = {
     "cpu": dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=None, vocab=8192, draft_vocab=4096,
-                seq=256, batch=2, anchors=64, dflash_layers=None, project_layers=0),
+                seq=256, batch=2, anchors=64, drafter_layers=None, project_layers=0),
     "cuda": dict(hidden=4096, layers=4, heads=32, kv_heads=8, intermediate=14336, vocab=128256, draft_vocab=32000,
-                 seq=2048, batch=1, anchors=512, dflash_layers=5, project_layers=32),
+                 seq=2048, batch=1, anchors=512, drafter_layers=5, project_layers=32),
 }
-LR_CLIP = {"eagle3": (1e-4, 0.5), "dflash": (6e-4, 1.0), "dspark": (6e-4, 1.0)}  # docs/design.md section 7
 
 
 # ---- shared with scripts/bench_verify.py ------------------------------------------------
+
+
+def write_report(out: Path, text: str) -> None:
+    """--out written whole, by one bench at a time (fsutil's output lock)."""
+    from draftsmith.fsutil import atomic_file, output_lock
+
+    with output_lock(out), atomic_file(out) as f:
+        f.write(text)
 
 def build_target(device, dtype, attn: str = "sdpa", seed: int = 0, **shape):
     """A random Llama-style target built directly on `device` (a 128k-vocabulary model
@@ -189,71 +200,53 @@ def make_batch(vocab: int, batch: int, seq: int, device, seed: int = 0) -> dict[
             "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=device)}
 
 
-def spread_ids(num_layers: int, count: int) -> list[int]:
-    """`count` distinct target layers spread over a shallow target (DFlash's own rule
-    repeats layers below about 4 layers per context layer)."""
-    count = min(count, num_layers)
-    return sorted({round(i * (num_layers - 1) / max(count - 1, 1)) for i in range(count)})
+def training(method: str):
+    """The method's TrainMethod class (train/<method>.py), whose faces build its step."""
+    return method_spec(method, "training").load("training")
 
 
-def overrides(method: str, args, backend: str | None) -> dict:
-    """The recipe keys (`method.*`) this benchmark sets on a drafter config."""
-    extra = {} if backend is None else {"attention_backend": backend}
-    if backend is not None:
-        fields = {f.name for f in dataclasses.fields(Eagle3Config if method == "eagle3" else DFlashConfig)}
-        if "attention_backend" not in fields:
-            sys.exit("bench_train: --drafter-attention needs drafter configs with an attention_backend field")
-    if method == "eagle3":
-        return {"draft_vocab_size": args.draft_vocab, **extra}
-    if args.dflash_layers:
-        extra.update(num_layers=args.dflash_layers, target_layer_ids=spread_ids(args.layers, args.dflash_layers))
-    return {"mask_token_id": args.vocab - 1, "num_anchors": args.anchors, **extra}
+def method_keys(method: str, args, backend: str | None) -> dict:
+    """The recipe keys (`method.*`) that give the method's drafter this benchmark's sizes."""
+    shape = StepShape(vocab_size=args.vocab, draft_vocab_size=args.draft_vocab, anchors=args.anchors,
+                      drafter_layers=args.drafter_layers or 0, target_layers=args.layers)
+    keys = training(method).step_keys(shape)
+    if backend is None:
+        return keys
+    if "attention_backend" not in {f.name for f in dataclasses.fields(config_class(method))}:
+        sys.exit("bench_train: --drafter-attention needs drafter configs with an attention_backend field")
+    return {**keys, "attention_backend": backend}
 
 
 def layer_ids(method: str, target, args) -> list[int]:
-    if method == "eagle3":
-        config = Eagle3Config.from_target(target, **overrides(method, args, None))
-    else:
-        config = (DSparkConfig if method == "dspark" else DFlashConfig).from_target(
-            target.config, **overrides(method, args, None))
+    config = training(method).drafter_config(target.config, method_keys(method, args, None), DEFAULT_TILE)
     return list(config.target_layer_ids)
 
 
+def optimizer_settings(method: str) -> tuple[float, float]:
+    """(lr, clip) of the method's tiny recipe (a step's time does not depend on them)."""
+    train = load_recipe(ROOT / "recipes" / "tiny" / f"{method}.yaml").train
+    return train.lr, train.clip
+
+
 def build_drafter(method: str, target, args, backend: str | None):
-    """A fresh drafter, fp32, built on the target's device as train/method_*.py build it
-    (created there directly: a real-size one initialised on the CPU would take seconds)."""
+    """A fresh drafter, fp32, built on the target's device as train/<method>.py builds it
+    (its `new_drafter`; created there directly: a real-size one initialised on the CPU would take seconds)."""
     with torch.device(next(target.parameters()).device):
-        if method == "eagle3":  # the target's embedding copied in
-            drafter = Eagle3Drafter.from_target(target, **overrides(method, args, backend))
-        else:
-            dspark = method == "dspark"
-            config = (DSparkConfig if dspark else DFlashConfig).from_target(target.config,
-                                                                            **overrides(method, args, backend))
-            drafter = (DSparkDrafter if dspark else DFlashDrafter)(config)
+        drafter = training(method).new_drafter(target, method_keys(method, args, backend), DEFAULT_TILE)
     drafter = drafter.to(dtype=torch.float32).train()
     drafter.gradient_checkpointing = args.grad_ckpt
     return drafter
 
 
 def loss_fn(method: str, drafter, target, batch, out):
-    """train/method_*.py's `loss` on features extracted once from `out` (its `extract`)."""
-    ids, device = batch["input_ids"], batch["input_ids"].device
-    packed = batch.get("position_ids")  # a packed batch's (data/packing.py)
-    layers = list(drafter.config.target_layer_ids)
-    hidden = concat_layers(out.hidden, layers)
-    if method == "eagle3":
-        with torch.no_grad():  # the draft-vocabulary columns and the argmax, as the method caches them
-            logits, top = drafter.teacher(out.logits)
-        return lambda: drafter.loss(hidden.float(), ids, logits.float(), batch["loss_mask"],
-                                    batch["attention_mask"], target_top=top, position_ids=packed)
-    head_module, embed = target.get_output_embeddings(), target.get_input_embeddings()
-    head = lambda h: head_module(h.to(head_module.weight.dtype))  # noqa: E731
-    mask = batch["loss_mask"] * batch["attention_mask"]
+    """train/<method>.py's loss (its `loss_on`) on features taken once from `out` (its `features_of`)."""
+    method_class = training(method)
+    with torch.no_grad():  # what a run reads of the frozen target, as a feature cache stores it
+        features = method_class.features_of(drafter, out)
 
     def run():
-        gen = torch.Generator(device=device).manual_seed(0)  # the same blocks every repeat
-        extra = (out.logits,) if method == "dspark" else ()
-        return drafter.loss(hidden.float(), ids, mask, embed, head, *extra, generator=gen, position_ids=packed)
+        gen = torch.Generator(device=batch["input_ids"].device).manual_seed(0)  # the same draws every repeat
+        return method_class.loss_on(drafter.loss, target, batch, features, gen)
 
     return run
 
@@ -283,7 +276,7 @@ class TargetForward:
 
 def measure(method, label, target, fwd: TargetForward, batch, args, clock, memory, backend):
     drafter = build_drafter(method, target, args, backend)
-    lr, clip = LR_CLIP[method]
+    lr, clip = optimizer_settings(method)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if clock.cuda else contextlib.nullcontext())
@@ -312,12 +305,7 @@ def measure(method, label, target, fwd: TargetForward, batch, args, clock, memor
             peaks.append(peak)
     row = {"phase": label, "ms": statistics.median(steps), "fwd_ms": statistics.median(paired), "paired": paired,
            "state": state_bytes(drafter, optimizer=optimizer), "peak": max(peaks)}
-    if method != "eagle3":
-        c = drafter.config
-        row["note"] = (f"{label}: {c.num_layers} layers, block {c.block_size}, up to {c.num_anchors} anchors "
-                       f"per sequence (query rows per sequence <= {c.num_anchors * c.block_size})")
-    else:
-        row["note"] = f"{label}: TTT {drafter.config.ttt_length} steps, draft vocab {drafter.config.draft_vocab_size}"
+    row["note"] = f"{label}: {training(method).step_note(drafter.config)}"
     del drafter, optimizer, out, loss
     gc.collect()
     if clock.cuda:
@@ -361,7 +349,7 @@ def measure_padding(method, target, ways, args, clock, capture) -> dict[str, dic
     interleaved, after one untimed step on each batching's first batch: every batching is
     timed over the same rows."""
     drafter = build_drafter(method, target, args, None)
-    lr, clip = LR_CLIP[method]
+    lr, clip = optimizer_settings(method)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if clock.cuda else contextlib.nullcontext()
@@ -428,8 +416,7 @@ def padding_main(args, methods, target, clock, head) -> int:
     table = padding_markdown(results)
     print("\n" + table)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n\n".join(head) + "\n\n" + table + "\n")
+        write_report(args.out, "\n\n".join(head) + "\n\n" + table + "\n")
     return 0
 
 
@@ -552,8 +539,7 @@ def main(argv=None) -> int:
                      "scaled linearly, the rest (embedding, final norm, head) as measured")
     print("\n" + table + "\n\n" + "\n".join(notes))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n\n".join(head) + "\n\n" + table + "\n\n" + "\n\n".join(notes) + "\n")
+        write_report(args.out, "\n\n".join(head) + "\n\n" + table + "\n\n" + "\n\n".join(notes) + "\n")
     return 1 if failed else 0
 
 

@@ -33,7 +33,6 @@ attention tile, and what each drafter's decoding is worth.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import shutil
@@ -45,9 +44,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decoder import truncated_twin  # noqa: E402  (the decoder benchmark's draft model)
 from bench_train import Clock, build_target  # noqa: E402  (shared with the training benchmark)
 
-from draftsmith.models.target import crop_cache, new_cache, target_forward  # noqa: E402
+from draftsmith.models.target import target_forward  # noqa: E402
+from draftsmith.models.target_cache import crop_cache, new_cache  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, num_layers=16, num_heads=32, intermediate_size=8192, vocab_size=128256)
 DRY_SHAPE = dict(hidden_size=128, num_layers=4, num_heads=16, intermediate_size=256, vocab_size=512)
@@ -264,58 +265,47 @@ def verify_plot(result: dict, path: Path) -> None:
 
 # ---- 2. decoder speedup ---------------------------------------------------------------
 
-def truncated_twin(target, layers: int):
-    """A draft model sharing the target's first layers, embedding, norm and head."""
-    from transformers import AutoModelForCausalLM
+def build_proposers(target, folder: Path) -> dict:
+    """Each drafter as `eval --drafter` builds it (the registry's proposers, read from folders
+    saved in `folder`): n-gram lookup, a truncated-twin draft model, the target drafting for
+    itself (the oracle), and an untrained drafter of every method trained on the target's
+    features, built by its training class (`new_drafter`), with its decode variants."""
+    from draftsmith.eval.proposers import proposer_from_arg
+    from draftsmith.fields import DEFAULT_TILE
+    from draftsmith.models.native import save_drafter
+    from draftsmith.registry import METHODS
+    from draftsmith.train.method import StepShape
 
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = layers
-    device, dtype = next(target.parameters()).device, next(target.parameters()).dtype
-    with torch.device(device):
-        draft = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    draft.load_state_dict(target.state_dict(), strict=False)  # the upper layers are left out
-    return draft.eval()
-
-
-def build_proposers(target, attn: str) -> dict:
-    from draftsmith.eval.proposers.dflash import DFlashProposer
-    from draftsmith.eval.proposers.draft_lm import DraftLMProposer
-    from draftsmith.eval.proposers.dspark import DSparkProposer
-    from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
-    from draftsmith.eval.proposers.ngram import NgramProposer
-    from draftsmith.eval.proposers.oracle import OracleProposer
-    from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
-    from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
-    from draftsmith.models.eagle3 import Eagle3Drafter
-
-    param = next(target.parameters())
-    mask = target.config.vocab_size - 1
-    with torch.device(param.device):
-        eagle3 = Eagle3Drafter.from_target(target).to(param.dtype).eval()
-        dflash = DFlashDrafter(DFlashConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
-        dspark = DSparkDrafter(DSparkConfig.from_target(target.config, mask_token_id=mask)).to(param.dtype).eval()
-    proposers = {
-        "ngram": NgramProposer(),
-        "draft_lm": DraftLMProposer(truncated_twin(target, 2), target, name="draft_lm"),
-        "oracle": OracleProposer(target),
-        "eagle3": Eagle3Proposer(eagle3, mode="chain", name="eagle3"),
-        "dflash": DFlashProposer(dflash, target),
-        "dspark": DSparkProposer(dspark, target),
-    }
-    if "flash" not in attn:  # tree verifies need a 4D mask, which flash-attn ignores (the decoder refuses)
-        proposers["eagle3_tree"] = Eagle3Proposer(eagle3, mode="tree", name="eagle3_tree")
-    return proposers
+    param, config = next(target.parameters()), target.config
+    # The reference sizes (no layer count asked, a 32k draft vocabulary where a method has one),
+    # the last token id free to be a mask token.
+    shape = StepShape(vocab_size=config.vocab_size, draft_vocab_size=min(config.vocab_size, 32000), anchors=512,
+                      drafter_layers=0, target_layers=config.num_hidden_layers)
+    truncated_twin(target, 2).save_pretrained(folder / "twin")
+    target.save_pretrained(folder / "oracle")
+    args = {"ngram": "ngram", "draft_lm": f"draft_lm:{folder / 'twin'}", "oracle": f"oracle=draft_lm:{folder / 'oracle'}"}
+    for spec in METHODS.values():
+        if not spec.reads_target_features:
+            continue
+        training = spec.load("training")
+        with torch.device(param.device):
+            drafter = training.new_drafter(target, training.step_keys(shape), DEFAULT_TILE).to(param.dtype).eval()
+        save_drafter(drafter, folder / spec.name)
+        args.update({name: f"{name}:{folder / spec.name}" for name in (spec.name, *spec.variants)})
+    return {name: proposer_from_arg(arg, target) for name, arg in args.items()}
 
 
 def decoder_speedup(target, args, out_dir: Path) -> dict:
     """Every drafter against plain decoding of the same target and prompts, in one run,
     through eval/evaluate.py's decode loop and eval/report.py's report."""
+    from draftsmith.errors import DraftsmithError
     from draftsmith.eval.decoder import SpeculativeDecoder
-    from draftsmith.eval.evaluate import _per_pass_ms, _tokens_per_s, decode_prompts, merge_stats
+    from draftsmith.eval.decoding import decode_prompts, merge_stats, per_pass_ms, tokens_per_s
     from draftsmith.eval.proposers.base import GREEDY, NoProposer
     from draftsmith.eval.report import speedup_bound, write_report
     from draftsmith.eval.settings import EvalSettings
     from draftsmith.models.tile import plan_tile
+    from draftsmith.registry import METHODS
 
     config = target.config
     plan = plan_tile(config.to_dict(), tile=args.tile)
@@ -327,21 +317,25 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
     plain.generate(prompts[0][:8], 4)  # warm-up
     base_runs, base_out = decode_prompts(plain, prompts, settings, GREEDY, "plain decoding")
     base_stats = merge_stats(base_runs)
-    t_target, base_tps = _per_pass_ms(base_stats, base_stats.verify_s), _tokens_per_s(base_stats, base_out)
+    t_target, base_tps = per_pass_ms(base_stats, base_stats.verify_s), tokens_per_s(base_stats, base_out)
     rows = []
-    for name, proposer in build_proposers(target, target.config._attn_implementation).items():
+    with tempfile.TemporaryDirectory() as folder:
+        proposers = build_proposers(target, Path(folder))
+    for name, proposer in proposers.items():
         decoder = SpeculativeDecoder(target, proposer, num_draft=plan.D, eos_token_id=())
-        decoder.generate(prompts[0][:8], 4)  # warm-up
+        try:
+            decoder.generate(prompts[0][:8], 4)  # warm-up
+        except DraftsmithError as exc:  # a tree under flash-attn, which ignores the 4D mask it needs
+            print(f"  {name}: skipped ({exc})")
+            continue
         runs, out = decode_prompts(decoder, prompts, settings, GREEDY, name)
         stats = merge_stats(runs)
-        t_draft, t_verify = _per_pass_ms(stats, stats.draft_s), _per_pass_ms(stats, stats.verify_s)
-        tps = _tokens_per_s(stats, out)
-        extra = {"prompts unlike plain": sum(a != b for a, b in zip(out, base_out))}
-        if callable(getattr(proposer, "report_extra", None)):
-            extra.update(proposer.report_extra())
-        untrained = name in ("eagle3", "eagle3_tree", "dflash", "dspark")
+        t_draft, t_verify = per_pass_ms(stats, stats.draft_s), per_pass_ms(stats, stats.verify_s)
+        tps = tokens_per_s(stats, out)
+        extra = {"prompts unlike plain": sum(a != b for a, b in zip(out, base_out)), **proposer.report_extra()}
+        is_untrained = any(name in (spec.name, *spec.variants) for spec in METHODS.values() if spec.reads_target_features)
         rows.append({
-            "name": name, "drafter": f"{name} (untrained)" if untrained else name, "num_draft": plan.D,
+            "name": name, "drafter": f"{name} (untrained)" if is_untrained else name, "num_draft": plan.D,
             "tau": stats.tau, "verify_passes": stats.verify_passes, "committed_tokens": stats.committed,
             "per_position_acceptance": stats.per_position_acceptance,
             "accepted_length_hist": list(stats.accepted_hist), "tokens_per_s": tps,
@@ -354,7 +348,7 @@ def decoder_speedup(target, args, out_dir: Path) -> dict:
         "target": {"path": shape, "H": plan.H, "KV": plan.KV, "G": plan.G, "tile": plan.tile, "D": plan.D},
         "settings": {"dataset": settings.dataset, "num_prompts": len(prompts), "max_new_tokens": args.new_tokens,
                      "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0},
-        "baseline": {"tokens_per_s": base_tps, "T_target_ms": t_target},
+        "plain": {"tokens_per_s": base_tps, "T_target_ms": t_target},
         "drafters": rows,
     }
     write_report(results, out_dir)
@@ -402,7 +396,10 @@ def main(argv=None) -> int:
                     shutil.copy(Path(tmp) / "report" / f"{plot}.png", args.out / f"decoder_{plot}.png")
         save(result, args.out)
 
-    result = verify_sweep(args, device, dtype, attn, after_each)
+    from draftsmith.fsutil import output_lock
+
+    with output_lock(args.out):  # one sweep into one folder at a time
+        result = verify_sweep(args, device, dtype, attn, after_each)
     print(markdown(result))
     return 0
 
@@ -422,8 +419,13 @@ def markdown(result: dict) -> str:
 
 
 def save(result: dict, out: Path) -> None:
-    (out / "verify.md").write_text(markdown(result) + "\n")
-    (out / "verify.json").write_text(json.dumps(result, indent=1, default=str))
+    """The sweep so far, each file replaced whole (a GPU lease may end mid-sweep)."""
+    from draftsmith.fsutil import atomic_file
+
+    with atomic_file(out / "verify.md") as f:
+        f.write(markdown(result) + "\n")
+    with atomic_file(out / "verify.json") as f:
+        f.write(json.dumps(result, indent=1, default=str))
     verify_plot(result, out / "verify.png")
 
 

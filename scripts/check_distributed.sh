@@ -7,7 +7,7 @@
 # within RTOL.
 #
 #   scripts/check_distributed.sh [RECIPE]   default: recipes/tiny/eagle3.yaml, else dflash.yaml, else mtp.yaml
-#   env: STEPS=4  BACKENDS="ddp zero2 fsdp2"  RTOL=1e-4  OUT=<a new temporary folder>
+#   env: STEPS=4  BACKENDS="ddp zero2 fsdp2"  RTOL=1e-4  OUT=<a new temporary folder>  PYTHON=python3
 #
 # Why accumulation and not one batch of 4: it is exactly what 2 processes compute, for every
 # method. accelerate's seeded sampler draws one permutation per epoch in every process and
@@ -19,6 +19,9 @@
 # update, checks the data and the initial weights; the later ones the gradient sync.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The interpreter the caller tests with (tests/test_distributed.py passes its own): the
+# machine's python3 may hold another checkout's editable install.
+py=${PYTHON:-python3}
 
 default=recipes/tiny/mtp.yaml
 for name in dflash eagle3; do  # the post-hoc drafters, once their method and recipe exist
@@ -38,26 +41,26 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASE
 # needs. Checkpoints are written at the last step: save_state under each backend runs too.
 TINY=(target.num_layers=4 target.hidden_size=64 target.num_heads=4 target.num_kv_heads=1
       data.vocab_size=384 data.max_chars=120000 train.max_steps="$STEPS" train.seq_len=32
-      train.lr=0.003 train.log_every=1 train.eval_every="$STEPS" train.save_every="$STEPS"
+      train.lr=0.003 train.log_every=1 train.validation_every="$STEPS" train.save_every="$STEPS"
       tracking.report_to=none)
-read -r method target < <(python3 -c "from draftsmith.recipe import load_recipe
+read -r method target < <("$py" -c "from draftsmith.recipe import load_recipe
 r = load_recipe('$RECIPE'); print(r.method.name, r.target.path or '-')")
 [ -n "${method:-}" ] || exit 2  # the recipe did not load; python said why
 if [ "$target" != - ]; then
   # Post hoc: against a tiny target trained here first, on a few short answers of its own.
-  python3 -m draftsmith.train --recipe recipes/tiny/mtp.yaml "${TINY[@]}" train.max_steps=2 train.batch_size=4 \
+  "$py" -m draftsmith.train --recipe recipes/tiny/mtp.yaml "${TINY[@]}" train.max_steps=2 train.batch_size=4 \
     train.output_dir="$OUT/target" >"$OUT/target.log" 2>&1 || { tail -5 "$OUT/target.log"; exit 1; }
   TINY+=(target.path="$OUT/target" train.seq_len=256 data.num_conversations=48 data.regen_max_new_tokens=24)
   [ "$method" = eagle3 ] && TINY+=(method.draft_vocab_size=128 method.ttt_length=2)
 fi
 
-# run NAME GRAD_ACCUM EVAL_BATCHES [accelerate launch options...]: 2 sequences per batch.
+# run NAME GRAD_ACCUM VALIDATION_BATCHES [accelerate launch options...]: 2 sequences per batch.
 # A free port each time: other jobs on this machine may hold accelerate's default one.
 run() {
-  local name=$1 accum=$2 eval_batches=$3 port; shift 3
-  port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-  python3 -m accelerate.commands.launch --main_process_port "$port" "$@" -m draftsmith.train --recipe "$RECIPE" "${TINY[@]}" train.batch_size=2 \
-    train.grad_accum="$accum" train.eval_batches="$eval_batches" train.output_dir="$OUT/$name" >"$OUT/$name.log" 2>&1
+  local name=$1 accum=$2 validation_batches=$3 port; shift 3
+  port=$("$py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  "$py" -m accelerate.commands.launch --main_process_port "$port" "$@" -m draftsmith.train --recipe "$RECIPE" "${TINY[@]}" train.batch_size=2 \
+    train.grad_accum="$accum" train.validation_batches="$validation_batches" train.output_dir="$OUT/$name" >"$OUT/$name.log" 2>&1
 }
 
 echo "recipe $RECIPE, $STEPS steps of 4 sequences; runs and logs in $OUT"
@@ -79,4 +82,4 @@ for backend in $BACKENDS; do
   if [ -n "$reason" ] && [ "$backend" != ddp ]; then columns+=("$backend=!not run on CPU: $reason")
   else tail -20 "$OUT/$backend.log"; columns+=("$backend=!FAILED, see $OUT/$backend.log"); fi
 done
-python3 scripts/compare_losses.py --rtol "$RTOL" "$OUT/single" "${columns[@]}"
+"$py" scripts/compare_losses.py --rtol "$RTOL" "$OUT/single" "${columns[@]}"

@@ -72,13 +72,17 @@ stage dflash_refiner $REAL/dspark.yaml "${CACHED[@]}" method.backbone="$RUNS/dfl
 # D = 7 drafts a verify: on a CPU a verify's cost grows with its length, and the tile rule's
 # D = 41 (G = 3) would price every drafter at 42-token verifies (`plan --measure` shows it).
 sampling=(--seed "$SEED" --temperature 0 --temperature 0.7 --top-p 0.8 --top-k 20)
+# With the serving engine installed (`make engine`; `make demo` installs it), vLLM decodes the same
+# prompts with each drafter as `draftsmith export` serves it, beside our figures (eval/engine.py).
+engine=()
+if [ -n "${DRAFTSMITH_ENGINE_PYTHON:-}" ] || [ -x .venv/engine/bin/python ]; then engine=(--engine vllm); fi
 rm -rf "$RUNS/eval" "$RUNS/report"
 timed eval draftsmith eval --target smollm2-135m-instruct --dataset stdlib-instructions --num-prompts 7 \
-  --max-new-tokens 40 --num-draft 7 "${sampling[@]}" --out "$RUNS/eval/smollm2" \
+  --max-new-tokens 40 --num-draft 7 "${sampling[@]}" "${engine[@]}" --out "$RUNS/eval/smollm2" \
   --drafter ngram --drafter "draft_lm:$RUNS/draft_lm" --drafter "eagle3:$RUNS/eagle3" \
   --drafter "eagle3_tree:$RUNS/eagle3" --drafter "dflash:$RUNS/dflash" --drafter "dspark:$RUNS/dspark" --drafter "dflash_refiner=dspark:$RUNS/dflash_refiner"
 timed eval_mtp draftsmith eval --target "$RUNS/mtp" --num-prompts 8 --max-new-tokens 64 --prompt-chars 240 \
-  "${sampling[@]}" --out "$RUNS/eval/tiny_target" --drafter "mtp:$RUNS/mtp" --drafter "mtp_exact:$RUNS/mtp"
+  "${sampling[@]}" "${engine[@]}" --out "$RUNS/eval/tiny_target" --drafter "mtp:$RUNS/mtp" --drafter "mtp_exact:$RUNS/mtp"
 draftsmith report "$RUNS/eval/smollm2" "$RUNS/eval/tiny_target" --out "$RUNS/report"
 
 echo "== done in $(( $(date +%s) - start )) s; the report is $RUNS/report/report.md (plots beside it)"

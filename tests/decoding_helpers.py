@@ -9,8 +9,18 @@ import torch
 from scipy.stats import chisquare
 
 from draftsmith.eval.proposers.base import Draft, TargetContext
-from draftsmith.eval.proposers.oracle import OracleProposer
+from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 from draftsmith.models.target import target_forward
+
+
+class OracleProposer(DraftLMProposer):
+    """The target as its own drafter: greedy drafts are exactly what the target would say, so
+    every draft is accepted and tau = 1 + D. A correctness probe for the decoder, and the upper
+    bound a drafter could reach at a given D (scripts/bench_verify.py builds its own through the
+    registry: `oracle=draft_lm:<the target's folder>`)."""
+
+    def __init__(self, target):
+        super().__init__(target, target, name="oracle")
 
 
 def chi2_pvalue(samples: list[int], probs: torch.Tensor, min_expected: float = 5.0) -> float:

@@ -14,31 +14,38 @@ import json
 from pathlib import Path
 
 from draftsmith.recipe import load_recipe
-from draftsmith.registry import trainable
+from draftsmith.registry import method_spec, trainable
 from draftsmith.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 STEPS = 6
 # Every trainable method of the registry; mtp first: it trains the target the others train against.
-METHODS = ("mtp", *(m for m in trainable() if m != "mtp"))
+TARGET_RUN = "mtp"  # the session's target: trained first on the corpus, every other run trains against it
+METHODS = (TARGET_RUN, *(m for m in trainable() if m != TARGET_RUN))
 
 # {work} is the folder of one golden session (data, tokenizer, runs).
 COMMON = [
     "target.num_layers=4", "target.hidden_size=64", "target.num_heads=4", "target.num_kv_heads=1",
     "target.dtype=float32", "data.tokenizer={work}/tokenizer", f"train.max_steps={STEPS}", "train.batch_size=4",
-    "train.seq_len=64", "train.lr=3e-3", "train.warmup_ratio=0.0", "train.log_every=1", f"train.eval_every={STEPS}",
-    "train.eval_batches=1", "train.save_every=100", 'train.mixed_precision="no"', "tracking.report_to=none",
+    "train.seq_len=64", "train.lr=3e-3", "train.warmup_ratio=0.0", "train.log_every=1", f"train.validation_every={STEPS}",
+    "train.validation_batches=1", "train.save_every=100", 'train.mixed_precision="no"', "tracking.report_to=none",
     "train.output_dir={work}/{method}",
 ]
 POSTHOC = ["target.path={work}/mtp", "data.dataset={work}/conversations.jsonl", "data.regenerate=false"]
-EXTRA = {
-    "mtp": ["data.dataset={work}/corpus.txt"],
-    "draft_lm": ["target.path={work}/mtp", "data.dataset={work}/corpus.txt", "method.hidden_size=64"],
-    "eagle3": [*POSTHOC, "method.draft_vocab_size=128", "method.ttt_length=2"],
-    "dflash": [*POSTHOC, "method.block_size=4", "method.num_anchors=8"],
-    "dspark": [*POSTHOC, "method.block_size=4", "method.num_anchors=8", "method.markov_rank=16"],
-}
+CORPUS = "data.dataset={work}/corpus.txt"
+
+
+def extra(method: str) -> list[str]:
+    """What `method`'s golden run adds to COMMON: its data (the target's answers where it trains on
+    the target's features, else the corpus), the target it trains against, and its registered
+    `test_keys` (draftsmith/registry.py), so a registered method needs no line here."""
+    spec = method_spec(method)
+    if method == TARGET_RUN:
+        data = [CORPUS]
+    else:
+        data = POSTHOC if spec.reads_target_features else ["target.path={work}/mtp", CORPUS]
+    return [*data, *(f"method.{k}={v}" for k, v in spec.test_keys.items())]
 
 _WORDS = ("the", "a", "river", "stone", "reads", "writes", "tree", "over", "under", "seven", "blue", "quiet",
           "model", "token", "draft", "verify", "accepts", "rejects", "block", "layer", "fast", "slow", "and",
@@ -75,11 +82,8 @@ def make_data(work: Path) -> None:
 
 
 def settings(method: str) -> list[str]:
-    """The overrides of `method`'s golden run; a registered method without any fails naming itself."""
-    if method not in EXTRA:
-        raise AssertionError(f"method {method!r} has no golden-curve settings: add it to EXTRA in tests/golden_runs.py "
-                             "and run `python scripts/update_golden.py`")
-    return [*COMMON, *EXTRA[method]]
+    """The overrides of `method`'s golden run."""
+    return [*COMMON, *extra(method)]
 
 
 def overrides(method: str, work: Path) -> list[str]:

@@ -364,7 +364,7 @@ def test_eval_cli_on_a_gpt2_target_with_ngram(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["target"]["G"] == 1  # multi-head attention
     for prompt in report["prompts"]:
-        assert prompt["outputs"]["ngram"] == prompt["outputs"]["baseline"]
+        assert prompt["outputs"]["ngram"] == prompt["outputs"]["plain"]
 
 
 def test_tiny_config_refuses_kv_heads_a_family_cannot_have():

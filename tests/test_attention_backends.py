@@ -12,15 +12,8 @@ from torch.nn.attention.flex_attention import create_mask
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.attention import use_flex
-from draftsmith.models.dflash import (
-    DFlashConfig,
-    DFlashDrafter,
-    block_mask_mod,
-    block_visibility,
-    concat_layers,
-    make_blocks,
-    sample_anchors,
-)
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
+from draftsmith.models.dflash_blocks import block_mask_mod, block_visibility, make_blocks, sample_anchors
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter, ttt_mask_mod
 from draftsmith.models.target import build_tiny_target, freeze, load_target, target_forward
@@ -252,7 +245,7 @@ def test_recipe_switch_reaches_the_post_hoc_drafters(tmp_path):
     from tiny_runs import tiny_recipe
 
     run = tmp_path / "target"
-    train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=1, train__eval_every=100,
+    train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=1, train__validation_every=100,
                       train__save_every=100))
     small = dict(target__path=str(run), data__num_conversations=4, data__prompt_chars=60,
                  data__regen_max_new_tokens=8, train__seq_len=48, train__gradient_checkpointing=True)

@@ -6,23 +6,23 @@ import json
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.run_weights import weights_label
-from draftsmith.models.target import find_model_dir
 from draftsmith.train import loop
 from draftsmith.train.best import BestWeights
 from draftsmith.train.loop import train
 from tiny_runs import tiny_recipe
 
-REAL_EVALUATE = loop.evaluate
+REAL_VALIDATION = loop.validation_metrics
 
 
 def scripted_validation(monkeypatch, losses: dict[int, float]) -> None:
     """Validation reports `losses[step]` as val/loss (the real metrics otherwise), so which
     step is best is known in advance."""
     def scripted(method, model, loader, max_batches, step, *rest):
-        return {**REAL_EVALUATE(method, model, loader, max_batches, step, *rest), "val/loss": losses[step]}
+        return {**REAL_VALIDATION(method, model, loader, max_batches, step, *rest), "val/loss": losses[step]}
 
-    monkeypatch.setattr(loop, "evaluate", scripted)
+    monkeypatch.setattr(loop, "validation_metrics", scripted)
 
 
 def tensors(folder):
@@ -35,7 +35,7 @@ def same_weights(a, b) -> bool:
 
 
 def mtp_run(run, **extra):
-    return tiny_recipe("mtp", run, train__eval_every=2, train__save_every=2, train__keep_checkpoints=0, **extra)
+    return tiny_recipe("mtp", run, train__validation_every=2, train__save_every=2, train__keep_checkpoints=0, **extra)
 
 
 def test_a_run_stands_for_its_best_weights_and_a_checkpoint_for_its_own(tmp_path, monkeypatch):
@@ -89,5 +89,5 @@ def test_a_resume_keeps_an_earlier_best_and_sets_aside_a_later_one(tmp_path, mon
 
 def test_a_run_without_validation_stands_for_its_last_weights(tmp_path):
     run = tmp_path / "run"
-    train(tiny_recipe("mtp", run, train__eval_batches=0))
+    train(tiny_recipe("mtp", run, train__validation_batches=0))
     assert not (run / "best").exists() and find_model_dir(run) == run / "model"

@@ -131,6 +131,26 @@ def test_eval_sampling_and_draft_count_are_checked_by_one_rule_each(tmp_path, ca
         assert message in capsys.readouterr().err
 
 
+def test_the_description_names_the_registered_methods():
+    description = build_parser().description
+    assert all(name in description for name in trainable())
+
+
+def test_a_fields_choices_and_bounds_are_one_rule_for_the_recipe_the_flag_and_the_help(tmp_path, capsys):
+    from draftsmith.eval.settings import CACHE_KINDS
+
+    with pytest.raises(DraftsmithError, match=r"eval.num_prompts: must be at least 1, got 0"):
+        load_recipe(None, ["eval.num_prompts=0"])  # refused as the recipe loads, not when eval runs
+    with pytest.raises(DraftsmithError, match=r"train.mixed_precision: expected one of auto, no, bf16, fp16"):
+        load_recipe(None, ["train.mixed_precision=fp64"])
+    base = ["eval", "--target", "t", "--drafter", "ngram", "--out", str(tmp_path / "r")]
+    assert main([*base, "--num-prompts", "0"]) == 2
+    assert "--num-prompts: must be at least 1, got 0" in capsys.readouterr().err
+    leaves = dict(leaf_parsers(build_parser()))
+    cache = next(a for a in leaves[("eval",)]._actions if "--cache" in a.option_strings)
+    assert cache.choices == list(CACHE_KINDS) and "dynamic (grows)" in cache.help
+
+
 def test_eval_and_regenerate_flags_are_derived_from_the_recipe_fields():
     from draftsmith.recipe import EvalSection
 
@@ -211,9 +231,12 @@ def test_recipe_show_prints_the_resolved_recipe_with_defaults_and_meanings(capsy
     assert set(method) == {"name"} | {f.name for f in dataclasses.fields(config_class("eagle3"))}
     lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
     # A changed key names its default; an unchanged one gives value and meaning only.
-    assert lines["max_steps"].endswith("# optimizer steps (default: 1000)")
+    assert lines["max_steps"].endswith("# optimizer steps; at least 0 (default: 1000)")
     assert lines["ttt_length"].endswith("(default: 7)") and "training-time-test" in lines["ttt_length"]
-    assert lines["lr"].endswith("# peak learning rate (AdamW)")
+    assert lines["lr"].endswith("# peak learning rate (AdamW); at least 0")
+    # the values a key takes, as its field declares them (the one place the check reads too)
+    assert lines["mixed_precision"].endswith("one of auto (bf16 where the device has it), no, bf16, fp16")
+    assert lines["warmup_ratio"].endswith("; 0 to 1")
     assert "(default" not in lines["ttt_decay"]
 
 
@@ -272,7 +295,7 @@ def test_train_with_an_accelerate_config_runs_the_recipe_under_accelerate(tmp_pa
     run = tmp_path / "mtp"
     tiny = overrides(run, target__num_layers=1, target__hidden_size=32, target__num_heads=2, data__vocab_size=300,
                      data__max_chars=20000, train__max_steps=2, train__batch_size=2, train__seq_len=16,
-                     train__eval_every=2, train__eval_batches=1, train__save_every=100)
+                     train__validation_every=2, train__validation_batches=1, train__save_every=100)
     assert main(["train", str(ROOT / "recipes" / "tiny" / "mtp.yaml"), "--accelerate-config", "cpu", *tiny]) == 0
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "train/loss" in r] == [1, 2]

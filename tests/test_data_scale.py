@@ -18,8 +18,10 @@ from draftsmith.data.conversations import load_conversations
 from draftsmith.data.corpus import load_embedded_corpus
 from draftsmith.data.feature_cache import write_feature_cache
 from draftsmith.data.local_server import LocalServer, free_port
-from draftsmith.data.regen_server import Limits, ReplyDecoding, decoding_for, regenerate_via_servers
+from draftsmith.data.regen_server import decoding_for, regenerate_via_servers
 from draftsmith.data.regenerate import embedded_conversations, regenerate
+from draftsmith.data.reply_decoding import ReplyDecoding
+from draftsmith.data.server_endpoint import Limits
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import build_tiny_target, load_target
@@ -151,7 +153,7 @@ def test_post_hoc_training_data_comes_from_the_recipes_server(server, corpus_tar
     recipe = load_recipe(None, [f"target.path={corpus_target_dir}", f"data.dataset={data}",
                                 f'data.regen_servers=["{server.url}"]', "data.regen_temperature=0",
                                 f"data.regen_max_new_tokens={NEW_TOKENS}"])
-    source, untemplated = conversations_file(recipe, None, tokenizer)  # the target is not needed: the server answers
+    source, untemplated = conversations_file(recipe, None, tokenizer, corpus_target_dir)  # the target is not needed: the server answers
     assert not untemplated
     assert read(source) == greedy_in_process(corpus_target, tokenizer, CONVERSATIONS[:3], tmp_path / "local.jsonl")
 

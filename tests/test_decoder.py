@@ -12,14 +12,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from decoding_helpers import IIDTreeDrafter, RandomTreeDrafter, TreeAroundOracle, chi2_pvalue, noisy_copy
+from decoding_helpers import (
+    IIDTreeDrafter,
+    OracleProposer,
+    RandomTreeDrafter,
+    TreeAroundOracle,
+    chi2_pvalue,
+    noisy_copy,
+)
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder, default_num_draft
 from draftsmith.eval.proposers.base import NoProposer, SamplingParams
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 from draftsmith.eval.proposers.ngram import NgramProposer
-from draftsmith.eval.proposers.oracle import OracleProposer
-from draftsmith.models.target import build_tiny_target, crop_cache, new_cache, target_forward
+from draftsmith.models.target import build_tiny_target, target_forward
+from draftsmith.models.target_cache import crop_cache, new_cache
 
 VOCAB = 256
 NEW = 32

@@ -14,20 +14,10 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.base import SamplingParams
 from draftsmith.eval.proposers.dflash import DFlashProposer, load_proposer
-from draftsmith.models.dflash import (
-    ContextCache,
-    DFlashConfig,
-    DFlashDrafter,
-    auto_block_size,
-    block_visibility,
-    concat_layers,
-    default_gamma,
-    greedy_metrics,
-    make_blocks,
-    position_means,
-    sample_anchors,
-    spread_layer_ids,
-)
+from draftsmith.models.dflash import ContextCache, DFlashConfig, DFlashDrafter, concat_layers
+from draftsmith.models.dflash_blocks import block_visibility, make_blocks, sample_anchors
+from draftsmith.models.dflash_loss import greedy_metrics, position_means
+from draftsmith.models.dflash_reference import auto_block_size, default_gamma, spread_layer_ids
 from draftsmith.models.formats.dflash import export_dflash_zlab, read
 from draftsmith.models.native import load_drafter, save_drafter
 from draftsmith.models.target import target_forward

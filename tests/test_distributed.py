@@ -38,7 +38,8 @@ def launch(config: str, *args: str, cpu: bool = True, timeout: int = 300) -> sub
 
 
 def run_check(tmp_path, recipe: str, backends: str, steps: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STEPS": str(steps), "BACKENDS": backends, "OUT": str(tmp_path / "check")}
+    env = {**os.environ, "STEPS": str(steps), "BACKENDS": backends, "OUT": str(tmp_path / "check"),
+           "PYTHON": sys.executable}  # this interpreter's draftsmith, not the machine's python3's
     return subprocess.run(["bash", str(CHECK), recipe], env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -70,8 +71,8 @@ FROZEN = textwrap.dedent("""
     seen = {}
     build, make = loop.build_method, loop.make_accelerator
 
-    def build_method(recipe, device):
-        seen["method"] = build(recipe, device)
+    def build_method(recipe, device, target_dir=None):
+        seen["method"] = build(recipe, device, target_dir)
         return seen["method"]
 
     def make_accelerator(recipe, out_dir):
@@ -105,11 +106,11 @@ def test_the_frozen_target_is_never_trained_nor_wrapped(tmp_path):
     """EAGLE-3 keeps a frozen copy of the target's embedding inside its drafter: a copy, not
     the target's own parameters, which stay outside the DDP wrapper and the optimizer."""
     target = tmp_path / "target"
-    train(tiny_recipe("mtp", target, train__max_steps=1, train__eval_every=100, target__num_layers=4))
+    train(tiny_recipe("mtp", target, train__max_steps=1, train__validation_every=100, target__num_layers=4))
     script = tmp_path / "frozen.py"
     script.write_text(FROZEN)
     args = overrides(tmp_path / "eagle3", target__path=str(target), train__max_steps=1, train__batch_size=2,
-                     train__seq_len=256, train__eval_every=100, data__num_conversations=8,
+                     train__seq_len=256, train__validation_every=100, data__num_conversations=8,
                      data__regen_max_new_tokens=16, method__draft_vocab_size=128, method__ttt_length=2)
     done = launch("ddp", str(script), str(ROOT / "recipes/tiny/eagle3.yaml"), *args)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -240,8 +241,14 @@ def test_the_deepspeed_configs_are_found_from_any_working_directory(tmp_path, mo
     written = yaml.safe_load(open(argv[4]).read())["deepspeed_config"]["deepspeed_config_file"]
     assert written == str(ROOT / "recipes" / "accelerate" / f"ds_{name}.json")
     assert launch_argv(name, "r.yaml") == argv  # the same copy, not one more per launch
-    if name == "zero3":
-        return
+
+
+@pytest.mark.slow  # two DeepSpeed processes: about a minute on 2 cores
+def test_zero2_launched_from_any_working_directory_runs_at_stage_2(tmp_path, monkeypatch):
+    from draftsmith.train.launch import launch_argv
+
+    monkeypatch.chdir(tmp_path)
+    argv, stage = launch_argv("zero2", "r.yaml"), 2
     script = tmp_path / "zero_check.py"  # not deepspeed.py: the script's folder comes first on sys.path
     script.write_text(DEEPSPEED)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -83,8 +83,14 @@ def test_export_writes_the_calibration_and_cost_table_sglang_reads(target, targe
     drafter = dspark(target)  # anchor first: gamma = block_size = 5
     native = save_drafter(drafter, tmp_path / "native", extra={"target": str(target_dir)})
     write_sts(drafter, target, held_out_rows(target), native)
+    from draftsmith.models.target import target_shape
+
+    shape = target_shape(target.config)  # a table of this target (export refuses another's, as eval does)
     latency = {"format": "draftsmith-verify-latency", "version": 1, "contexts": [64, 256], "drafts": [0, 1, 2, 3],
-               "verify_ms": [[10.0, 11.0, 12.0, 20.0], [12.0, 13.0, 14.0, 22.0]]}
+               "verify_ms": [[10.0, 11.0, 12.0, 20.0], [12.0, 13.0, 14.0, 22.0]], "head_ms": 0.5,
+               "device": "test", "device_type": "cuda", "dtype": "bfloat16", "attention": "sdpa",
+               "shape": {"layers": shape.num_layers, "hidden": shape.hidden_size, "heads": shape.num_heads,
+                         "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab_size}}
     (tmp_path / "latency.json").write_text(json.dumps(latency))
     capsys.readouterr()
     out = tmp_path / "sglang"

@@ -520,7 +520,7 @@ def test_sampled_tree_decoding_is_lossless(trained):
     the target's processed p (the decoder rewound to the same prefix for every sample)."""
     from decoding_helpers import chi2_pvalue
     from draftsmith.eval.sampling import process_logits
-    from draftsmith.models.target import crop_cache
+    from draftsmith.models.target_cache import crop_cache
 
     _, target, drafter, seqs, _ = trained
     sampling = SamplingParams(temperature=1.0, top_k=8)
@@ -571,3 +571,76 @@ def test_sampled_tree_first_token_is_distributed_as_the_target(trained, budget):
                                           draft.probs, generator)
         firsts.append(int(draft.tokens[path[0]]) if path else int(bonus))
     assert chi2_pvalue(firsts, p) > 1e-3
+
+
+# ---- --num-draft auto for trees (eval/proposers/eagle3_tree_tuning.py) ------------------
+
+
+def _top(nodes, n: int, depth: int) -> list[tuple[int, ...]]:
+    """The token paths of the n best nodes of depth <= depth, in TreeCandidates.select's order."""
+    keep = sorted((i for i in range(len(nodes)) if nodes.depth[i] <= depth),
+                  key=lambda i: (-nodes.score[i], nodes.depth[i], i))[:n]
+
+    def path(i):
+        return (*path(nodes.parent[i]), nodes.token[i]) if i >= 0 else ()
+    return sorted(path(i) for i in keep)
+
+
+def _paths(draft) -> list[tuple[int, ...]]:
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+
+    def path(i):
+        return (*path(parents[i]), tokens[i]) if i >= 0 else ()
+    return sorted(path(i) for i in range(len(tokens)))
+
+
+@pytest.mark.parametrize("trained", ["llama"], indirect=True)
+def test_an_unpruned_tree_holds_every_pruned_tree_it_prices(trained):
+    """The tuning grows each width once, unpruned, and reads the tree of every (depth, budget)
+    off it: the n best nodes of depth <= depth are exactly what the pruned expansion drafts."""
+    _, target, drafter, seqs, _ = trained
+    for topk in (1, 2, 3, 5):
+        proposer = Eagle3Proposer(drafter, mode="tree", topk=topk)
+        decoder = SpeculativeDecoder(target, proposer, num_draft=9, eos_token_id=())
+        state = decoder.start(seqs[2, :PROMPT], 30)
+        for _ in range(3):  # three contexts, each after a real verify
+            full = proposer.grow_tree(9, topk=topk, prune=False)
+            for depth in range(1, 10):
+                proposer.depth = depth
+                for n in range(depth, 10):
+                    assert _paths(proposer.propose(n, SamplingParams(), None)) == _top(full, n, depth), (topk, depth, n)
+            proposer.depth = None
+            decoder.step(state)
+
+
+@pytest.mark.parametrize("trained", ["llama"], indirect=True)
+def test_the_tree_tuning_prices_each_pass_as_the_decoder_accepts_it(trained):
+    """Recording while a tree of (topk 3, depth 4, 6 nodes) decodes: read off the recorded trees,
+    every pass's accepted drafts at those settings are the decoder's, pass by pass."""
+    from draftsmith.eval.proposers.eagle3_tree_tuning import price
+
+    _, target, drafter, seqs, _ = trained
+    proposer = Eagle3Proposer(drafter, mode="tree", topk=3, depth=4)
+    tuning = proposer.tuning()
+    tuning.record(6)
+    decoder = SpeculativeDecoder(target, proposer, num_draft=6, eos_token_id=())
+    accepted = []
+    for row in (0, 3):
+        steps = decoder.generate(seqs[row, :PROMPT], 40).stats.accepted_steps
+        accepted += steps[:-1]  # a sequence's last pass is cut at the token limit
+    tuning._stop()
+    recorder = tuning.recorders[6]
+    assert sum(accepted) > len(accepted)  # the drafter is accepted, so the check has teeth
+    predicted = []
+    for sequence in (0, 1):
+        passes = [p for p in recorder.passes if p.sequence == sequence]
+        for p in passes[:-1]:
+            grown = p.grown[3]
+            path = grown.path(recorder.texts[sequence][p.start:])
+            predicted.append(sum(r < 6 for r in grown.ranks(path, 4)))
+            assert len(grown.level_ms) == 6 and p.catch_up_ms >= 0
+    assert predicted == accepted
+    curve = price(recorder, lambda d: 1.0 + d, 6)
+    point = next(c for c in curve if (c["topk"], c["depth"], c["d"]) == (3, 4, 6))
+    assert point["expected_tokens"] > 1.5 and curve[0] == {**curve[0], "d": 0, "expected_tokens": 1.0}
+    assert {(c["topk"], c["depth"]) for c in curve[1:]} == {(k, dep) for k in (1, 2, 3, 4, 8) for dep in range(1, 7)}

@@ -14,9 +14,9 @@ from tiny_runs import tiny_recipe
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    train(tiny_recipe("mtp", root / "mtp", train__max_steps=30, train__eval_every=100, train__save_every=100))
+    train(tiny_recipe("mtp", root / "mtp", train__max_steps=30, train__validation_every=100, train__save_every=100))
     train(tiny_recipe("draft_lm", root / "draft_lm", target__path=str(root / "mtp"), train__max_steps=20,
-                      train__eval_every=100, train__save_every=100, method__hidden_size=32, method__num_heads=2))
+                      train__validation_every=100, train__save_every=100, method__hidden_size=32, method__num_heads=2))
     return root
 
 
@@ -40,10 +40,10 @@ def test_report_compares_drafters_side_by_side(runs, tmp_path, capsys):
     assert report["target"]["G"] == 4
     for prompt in report["prompts"]:
         outs = prompt["outputs"]
-        assert outs["ngram"] == outs["baseline"] == outs["mtp"] == outs["draft_lm"]
-        assert prompt["loops"] == loops(outs["baseline"])
+        assert outs["ngram"] == outs["plain"] == outs["mtp"] == outs["draft_lm"]
+        assert prompt["loops"] == loops(outs["plain"])
     # tau over all prompts and over those whose plain text does not loop, from the per-prompt steps.
-    assert report["baseline"]["looping_prompts"] == sum(p["loops"] for p in report["prompts"])
+    assert report["plain"]["looping_prompts"] == sum(p["loops"] for p in report["prompts"])
     for d in report["drafters"]:
         steps = [p["steps"][d["name"]] for p in report["prompts"]]
         assert d["tau"] == pytest.approx(sum(c for c, _ in steps) / sum(v for _, v in steps))
@@ -192,6 +192,16 @@ def test_num_draft_auto_calibrates_on_every_turn_of_conversations_after_the_eval
     assert how["calibration"].startswith("every turn of conversations 2..3") and how["calibration_prompts"] == 4
 
 
+def _tuned(runs, tmp_path, drafter: str) -> tuple[dict, str]:
+    """(report.json row, report.md) of `drafter` evaluated at --num-draft auto against a table
+    whose verify costs 1 + d / 2 ms."""
+    table = _latency_table(runs, tmp_path, [1.0 + 0.5 * d for d in range(40)])
+    out = tmp_path / "auto"
+    assert main(eval_args(runs, out, "--drafter", drafter, "--num-draft", "auto", "--latency-table", str(table),
+                          "--calibration-prompts", "2")) == 0
+    return json.loads((out / "report.json").read_text())["drafters"][0], (out / "report.md").read_text()
+
+
 def test_num_draft_auto_chooses_dsparks_threshold_with_its_d(runs, tmp_path):
     """DSpark's confidence head can end a draft early: auto prices each calibration pass at the
     length every threshold would leave, picks the pair, and the evaluated drafter uses it."""
@@ -203,18 +213,35 @@ def test_num_draft_auto_chooses_dsparks_threshold_with_its_d(runs, tmp_path):
     config = DSparkConfig.from_target(target.config, mask_token_id=3, num_layers=1, num_context_layers=1,
                                       block_size=5, markov_rank=4, confidence_threshold=0.97)  # not on the grid
     native = save_drafter(DSparkDrafter(config), tmp_path / "dspark", extra={"target": str(runs / "mtp" / "model")})
-    table = _latency_table(runs, tmp_path, [1.0 + 0.5 * d for d in range(40)])
-    out = tmp_path / "auto"
-    assert main(eval_args(runs, out, "--drafter", f"dspark:{native}", "--num-draft", "auto",
-                          "--latency-table", str(table), "--calibration-prompts", "2")) == 0
-    row = json.loads((out / "report.json").read_text())["drafters"][0]
+    row, md = _tuned(runs, tmp_path, f"dspark:{native}")
     auto = row["num_draft_auto"]
     assert [p["confidence_threshold"] for p in auto["threshold_curve"]] == [round(0.05 * i, 2) for i in range(20)]
     best = max(auto["threshold_curve"], key=lambda p: p["tokens_per_s"])
     assert auto["predicted_tokens_per_s"] == best["tokens_per_s"] and auto["chosen"] == row["num_draft"]
     # what the evaluated drafter used (its checkpoint's own 0.97 is not on the grid)
     assert row["extra"]["confidence_threshold"] == auto["confidence_threshold"] != 0.97
-    assert "| threshold |" in (out / "report.md").read_text()
+    assert "| threshold |" in md
+
+
+def test_num_draft_auto_chooses_the_trees_width_and_depth_with_its_d(runs, tmp_path):
+    """The EAGLE-2 tree: auto prices every (topk, depth, D) on the calibration's recorded trees
+    and the evaluated drafter drafts the best of them."""
+    from draftsmith.models.eagle3 import Eagle3Drafter
+    from draftsmith.models.native import save_drafter
+    from draftsmith.models.target import load_target
+
+    deep = tmp_path / "runs"  # EAGLE-3 reads three layers of a target of four or more
+    train(tiny_recipe("mtp", deep / "mtp", target__num_layers=4, train__max_steps=4))
+    target = load_target(deep / "mtp" / "model")
+    native = save_drafter(Eagle3Drafter.from_target(target), tmp_path / "eagle3",
+                          extra={"target": str(deep / "mtp" / "model")})
+    row, md = _tuned(deep, tmp_path, f"eagle3_tree:{native}")
+    auto = row["num_draft_auto"]
+    best = auto["tree_curve"][0]
+    assert best == max(auto["tree_curve"], key=lambda p: p["tokens_per_s"]) and auto["passes_priced"] > 0
+    assert auto["chosen"] == row["num_draft"] == best["d"] and auto["predicted_tokens_per_s"] == best["tokens_per_s"]
+    assert auto["options"] == ({"topk": best["topk"], "depth": best["depth"]} if best["d"] else {})
+    assert "| topk |" in md and "width (topk), depth and node budget" in md
 
 
 def test_num_draft_auto_refuses_a_table_of_another_target_or_device(runs, tmp_path, capsys):

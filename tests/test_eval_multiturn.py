@@ -36,7 +36,7 @@ def test_every_turn_is_decoded_after_the_targets_own_answer(qwen3_target, tmp_pa
     settings = report["settings"]
     assert (settings["num_prompts"], settings["conversations"], settings["enable_thinking"]) == (3, 2, False)
     prompts = [p["prompt_ids"] for p in report["prompts"]]
-    first_answer = report["prompts"][0]["outputs"]["baseline"]
+    first_answer = report["prompts"][0]["outputs"]["plain"]
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     answer = tokenizer.decode(first_answer[:first_answer.index(stop)] if stop in first_answer else first_answer,
                               skip_special_tokens=True)

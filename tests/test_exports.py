@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.cli import main
 from draftsmith.eval.proposers import proposer_from_arg
 from draftsmith.models.dspark import ANCHOR_IS_CONTEXT
-from draftsmith.models.export import export_run
+from draftsmith.models.export import export_notes, export_run
 from draftsmith.models.formats.dspark import export_dspark_deepspec, export_dspark_specforge
 from draftsmith.models.mtp import MTP_DIR
 from draftsmith.models.native import save_drafter
@@ -498,3 +498,17 @@ def test_export_prints_the_commands_that_serve_it(target, target_dir, tmp_path, 
     config = json.loads((tmp_path / "dflash_window-out" / "config.json").read_text())
     assert config["layer_types"] == WINDOWED["layer_types"] and config["sliding_window"] == 6
     assert config["dflash_config"]["swa_window_size"] == 6 and config["dflash_config"]["causal"] is False
+
+
+def test_serve_lines_are_sized_at_the_tile_the_run_recorded(target, target_dir, tmp_path, capsys):
+    """A run sized for a 4-row tile (D = 4 // G - 1 = 1 at G = 2) is served with a chain of 1, not
+    the references' 3 at the default tile; its recipe.yaml read as saved, keys renamed since included."""
+    run = tmp_path / "run"
+    native = save_drafter(eagle3(target), run / "model", extra={"target": str(target_dir)})
+    (run / "run.json").write_text(json.dumps({"id": "x"}))
+    (run / "recipe.yaml").write_text("target:\n  tile: 4\ntrain:\n  eval_every: 5\n")
+    assert main(["export", str(run), "--format", "vllm", "--out", str(tmp_path / "out")]) == 0
+    sglang = next(line for line in capsys.readouterr().out.splitlines() if "sglang.launch_server" in line)
+    assert "--speculative-num-steps 1 --speculative-eagle-topk 1 --speculative-num-draft-tokens 2" in sglang
+    (run / "recipe.yaml").write_text("target:\n  tile: 0\n")
+    one_line_error(lambda: export_notes(native, "vllm", tmp_path / "out"), "target.tile: must be a whole number of at least 1, got 0")

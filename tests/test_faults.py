@@ -17,13 +17,14 @@ from torch.utils.data import DataLoader
 
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.target import find_model_dir
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.registry import posthoc, trainable
 from draftsmith.train import loop
-from draftsmith.train.loop import latest_checkpoint, train
+from draftsmith.train.checkpoints import check_checkpoint, latest_checkpoint
+from draftsmith.train.loop import train
 from tiny_runs import ROOT, overrides, tiny_recipe
 
-STRAIGHT = dict(train__max_steps=6, train__log_every=2, train__save_every=3, train__eval_every=100)
+STRAIGHT = dict(train__max_steps=6, train__log_every=2, train__save_every=3, train__validation_every=100)
 
 
 def recipe_path(method: str) -> str:
@@ -132,8 +133,8 @@ def test_eval_flags_out_of_range_are_refused(run, tmp_path, capsys, flags, messa
 
 # ---------------------------------------------------------------- validation
 
-def test_validation_of_eval_batches_before_a_partial_last_batch():
-    """eval_batches + 1 batches, the last one partial: fetching it would end the loader's pass,
+def test_validation_batches_stop_before_a_partial_last_batch():
+    """validation_batches + 1 batches, the last one partial: fetching it would end the loader's pass,
     and gather_for_metrics would then cut the per-process means to the remainder (3)."""
     from accelerate import Accelerator
 
@@ -145,7 +146,7 @@ def test_validation_of_eval_batches_before_a_partial_last_batch():
         def loss(self, model, batch, step, micro=0, total_steps=0):
             return batch["x"].mean(), {f"m{k}": float(batch["x"].sum()) for k in range(6)}
 
-    val = loop.evaluate(Method(), torch.nn.Linear(1, 1), loader, 2, 0, accelerator)
+    val = loop.validation_metrics(Method(), torch.nn.Linear(1, 1), loader, 2, 0, accelerator)
     assert val["val/loss"] == pytest.approx((1.5 + 5.5) / 2) and val["val/m0"] == pytest.approx((6 + 22) / 2)
     assert len(val) == 7
 
@@ -182,7 +183,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_an_earlier_one_resumes(run, tm
     # resumed run's own checkpoints; the latest is now the resumed run's whole step 6.
     assert "abandoned trajectory are kept in" in capsys.readouterr().err
     assert (work / "abandoned" / "checkpoint_6" / "model.safetensors").stat().st_size < weights.stat().st_size
-    assert loop.check_checkpoint(latest_checkpoint(work)) == 6
+    assert check_checkpoint(latest_checkpoint(work)) == 6
 
 
 def test_a_resume_with_another_model_shape_fails_and_keeps_the_runs_recipe(run, tmp_path, capsys):
@@ -228,7 +229,7 @@ def train_failing_the_last_save(monkeypatch, capsys, out: Path, save_state) -> s
 
     monkeypatch.setattr(loop, "save_checkpoint", failing)
     return one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(
-        out, train__max_steps=4, train__save_every=2, train__eval_every=100)]))
+        out, train__max_steps=4, train__save_every=2, train__validation_every=100)]))
 
 
 def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch, capsys):
@@ -248,7 +249,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkey
 
 @pytest.mark.parametrize("override, key", [
     ("train.lr=-0.001", "train.lr"), ("train.mixed_precision=fp64", "train.mixed_precision"),
-    ("method.num_depths=0", "method.num_depths"), ("train.eval_every=0", "train.eval_every"),
+    ("method.num_depths=0", "method.num_depths"), ("train.validation_every=0", "train.validation_every"),
     ("train.save_every=0", "train.save_every"), ("train.log_every=0", "train.log_every"),
 ])
 def test_values_a_run_cannot_use_are_refused_before_it_starts(tmp_path, capsys, override, key):
@@ -429,7 +430,7 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkp
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(out, **{**STRAIGHT, "train__save_every": 2})]))
     kept = latest_checkpoint(out)
     assert "step 3: the training loss is nan" in line and f"{kept} is kept" in line
-    assert os.listdir(out / "checkpoints") == [kept.name] and loop.check_checkpoint(kept) == 2
+    assert os.listdir(out / "checkpoints") == [kept.name] and check_checkpoint(kept) == 2
     assert not (out / "model").exists()
     assert max(r["step"] for r in rows(out)) == 2
 
@@ -443,7 +444,7 @@ def test_derived_figures_show_a_nan_loss():
         def loss(self, model, batch, step, micro=0, total_steps=0):
             return torch.tensor(float("nan")), {"loss_main": float("nan")}
 
-    val = loop.evaluate(Method(), torch.nn.Linear(1, 1), [{"x": 1}], 1, 0, accelerator)
+    val = loop.validation_metrics(Method(), torch.nn.Linear(1, 1), [{"x": 1}], 1, 0, accelerator)
     assert math.isnan(val["val/ppl"]) and math.isnan(val["val/loss"])
 
 
@@ -460,7 +461,7 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_unless_resumed_or_overw
                                                                            train__resume=True)))
     assert main(resume_args(work, "train.overwrite=true", train__max_steps=3)) == 0
     assert "removing the run in" in capsys.readouterr().err
-    assert [loop.check_checkpoint(p) for p in (work / "checkpoints").iterdir()] == [3]  # the old run's are gone
+    assert [check_checkpoint(p) for p in (work / "checkpoints").iterdir()] == [3]  # the old run's are gone
     assert max(r["step"] for r in rows(work)) == 3
     assert json.loads((work / "run.json").read_text())["replaces"] == owner
 
@@ -736,7 +737,7 @@ def test_mtp_heads_against_a_target_of_another_family_are_one_line(run, tmp_path
 
 def test_a_full_disk_anywhere_else_is_one_line(tmp_path, capsys, monkeypatch):
     """Appending a metrics line is no atomic write: the command still ends in one line."""
-    monkeypatch.setattr(loop, "_log", enospc)
+    monkeypatch.setattr(loop, "log_metrics", enospc)
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(tmp_path / "run", **STRAIGHT)]))
     assert "the disk is full (No space left on device)" in line and "are intact" in line
 
@@ -833,11 +834,11 @@ def test_a_resume_that_changes_the_runs_trajectory_is_refused(run, tmp_path, cap
 def test_a_resume_allowed_to_change_records_the_change_and_its_step(run, tmp_path):
     work = copy_run(run, tmp_path)
     assert main(resume_args(work, "train.seed=1", "train.resume_changes=allow", train__resume="true",
-                            train__max_steps=7, train__eval_every=50)) == 0
+                            train__max_steps=7, train__validation_every=50)) == 0
     changes = {c["key"]: c for c in json.loads((work / "run.json").read_text())["changes"]}
     assert changes["train.seed"] == {"step": 6, "key": "train.seed", "was": 0, "now": 1}
     assert {k: (c["was"], c["now"]) for k, c in changes.items() if k != "train.seed"} == \
-        {"train.max_steps": (6, 7), "train.eval_every": (100, 50)}  # these pass without allow
+        {"train.max_steps": (6, 7), "train.validation_every": (100, 50)}  # these pass without allow
     assert "seed: 1" in (work / "recipe.yaml").read_text() and max(r["step"] for r in rows(work)) == 7
 
 
@@ -876,7 +877,7 @@ def test_a_file_size_limit_a_read_only_disk_and_an_io_error_are_one_line(tmp_pat
 
     line = train_failing_the_last_save(monkeypatch, capsys, tmp_path / "run", efbig_save_state)
     assert "the file is past the file-size limit: Error while serializing" in line and "checkpoint_2 is intact" in line
-    monkeypatch.setattr(loop, "_log", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    monkeypatch.setattr(loop, "log_metrics", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
     line = one_line_error(capsys, main(["train", recipe_path("mtp"), *overrides(tmp_path / "run2", **STRAIGHT)]))
     assert "the device reported an I/O error (Input/output error)" in line and "are intact" in line
 
@@ -993,11 +994,11 @@ def test_a_nan_stop_names_only_a_checkpoint_whose_weights_are_finite(tmp_path, m
 
 
 def test_a_run_that_cannot_learn_or_validate_says_so_once(tmp_path, capsys):
-    """Decided: train.lr=0 (a dry run) and train.eval_batches=0 (validation off) are taken, and said."""
+    """Decided: train.lr=0 (a dry run) and train.validation_batches=0 (validation off) are taken, and said."""
     out = tmp_path / "run"
     assert main(["train", recipe_path("mtp"), *overrides(out, train__max_steps=1, train__lr=0,
-                                                         train__eval_batches=0)]) == 0
+                                                         train__validation_batches=0)]) == 0
     err = capsys.readouterr().err
     assert err.count("train.lr=0: the weights will not change") == 1
-    assert err.count("train.eval_batches=0: validation is off") == 1
+    assert err.count("train.validation_batches=0: validation is off") == 1
     assert not any(k.startswith("val/") for r in rows(out) for k in r)

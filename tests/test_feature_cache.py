@@ -18,8 +18,8 @@ from draftsmith.cli import main
 from draftsmith.data.feature_cache import _human
 from draftsmith.data.packing import pack_rows
 from draftsmith.errors import DraftsmithError
-from draftsmith.registry import posthoc
-from draftsmith.train import loop
+from draftsmith.registry import method_spec, posthoc
+from draftsmith.train import loaders
 from draftsmith.train.loop import train
 from tiny_runs import ROOT, for_method, overrides, tiny_recipe
 
@@ -27,11 +27,8 @@ from tiny_runs import ROOT, for_method, overrides, tiny_recipe
 # and a cached run logs what the online run logs (up to the rounding the tolerance below allows
 # for: CPU kernels round a row differently in another batch or at another width).
 POSTHOC = dict(data__num_conversations=24, data__prompt_chars=120, data__regen_max_new_tokens=32,
-               train__seq_len=80, train__max_steps=4, train__eval_every=2, train__save_every=100,
+               train__seq_len=80, train__max_steps=4, train__validation_every=2, train__save_every=100,
                target__dtype="bfloat16")
-METHOD = {"eagle3": dict(method__draft_vocab_size=128, method__ttt_length=2),
-          "dflash": dict(method__num_anchors=8, method__block_size=4),
-          "dspark": dict(method__num_anchors=8, method__block_size=4, method__markov_rank=8)}
 # What each method's cache holds (rows 80, target width 64 per layer, vocabulary 384; EAGLE-3's draft vocabulary 128).
 TENSORS = {"eagle3": lambda hidden: {"hidden": [80, hidden], "logits": [80, 128], "target_top": [80]},
            "dflash": lambda hidden: {"hidden": [80, hidden]},
@@ -39,7 +36,8 @@ TENSORS = {"eagle3": lambda hidden: {"hidden": [80, hidden], "logits": [80, 128]
 
 
 def settings(name):
-    return for_method(METHOD, name, "METHOD in tests/test_feature_cache.py")
+    """The method's registered `test_keys` (draftsmith/registry.py), as recipe overrides."""
+    return {f"method__{k}": v for k, v in method_spec(name).test_keys.items()}
 
 
 def tensors(name, manifest) -> dict:
@@ -53,7 +51,7 @@ def tensors(name, manifest) -> dict:
 def mtp_target_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("target") / "mtp"
     train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=2, train__seq_len=64,
-                      train__eval_every=100, train__save_every=100))
+                      train__validation_every=100, train__save_every=100))
     return run / "model"
 
 
@@ -149,7 +147,7 @@ def test_a_cache_made_for_something_else_is_refused_in_one_line(mtp_target_dir, 
 
     def refused(name, cache, pattern, **extra):
         capsys.readouterr()
-        args = overrides(tmp_path / "x", **{"target__path": str(mtp_target_dir), **POSTHOC, **METHOD[name],
+        args = overrides(tmp_path / "x", **{"target__path": str(mtp_target_dir), **POSTHOC, **settings(name),
                                             "data__feature_cache": str(cache), **extra})
         assert main(["train", str(ROOT / "recipes" / "tiny" / f"{name}.yaml"), *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -187,7 +185,7 @@ def test_packed_training_from_the_cache_is_packed_training_online(name, mtp_targ
         saved.append(len(rows) - batch["input_ids"].shape[0])
         return batch
 
-    monkeypatch.setattr(loop, "pack_rows", packing)
+    monkeypatch.setattr(loaders, "pack_rows", packing)
     train(recipe(name, online, mtp_target_dir, data__packing=True, **wide))
     assert sum(saved) > 0
     cached = tmp_path / "cached"

@@ -21,17 +21,18 @@ import importlib.util
 import pytest
 import torch
 
+from decoding_helpers import OracleProposer
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.dflash import DFlashProposer
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 from draftsmith.eval.proposers.dspark import DSparkProposer
 from draftsmith.eval.proposers.eagle3 import Eagle3Proposer
 from draftsmith.eval.proposers.ngram import NgramProposer
-from draftsmith.eval.proposers.oracle import OracleProposer
 from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, concat_layers
 from draftsmith.models.dspark import DSparkConfig, DSparkDrafter
 from draftsmith.models.eagle3 import Eagle3Drafter
-from draftsmith.models.target import crop_cache, freeze, new_cache, target_forward, tiny_config
+from draftsmith.models.target import freeze, target_forward, tiny_config
+from draftsmith.models.target_cache import crop_cache, new_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

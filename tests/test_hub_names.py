@@ -11,7 +11,7 @@ from draftsmith.cli import main
 from draftsmith.data.conversations import load_conversations
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.proposers import parse_drafter_arg
-from draftsmith.models.target import find_model_dir
+from draftsmith.models.model_dir import find_model_dir
 from hub_fixtures import add_folder, add_repo
 
 

@@ -75,3 +75,34 @@ def test_every_package_folder_is_listed_for_the_wheel():
              for package, folder in setup["package-dir"].items() for init in (ROOT / folder).rglob("__init__.py")}
     assert "draftsmith.eval.proposers" in found  # the scan sees subpackages
     assert found <= set(setup["packages"]), sorted(found - set(setup["packages"]))
+
+
+def test_a_second_checkout_on_the_interpreter_is_refused_at_import(tmp_path):
+    """Two checkouts on one interpreter: `import draftsmith` finds the one on sys.path (here a
+    second tree, run from its folder), while draftsmith.models, .data, ... come through the
+    editable install's map, which points at this checkout. Refused at import, in one line
+    naming both folders. The second tree needs only draftsmith/__init__.py: the refusal comes
+    before any part is imported."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    spec = importlib.util.find_spec("draftsmith.models")
+    if spec is None or spec.origin != str(ROOT / "models" / "__init__.py"):
+        pytest.skip("draftsmith is not installed editable from this checkout (pip install -e .)")
+    other = tmp_path.resolve() / "other_checkout"
+    (other / "draftsmith").mkdir(parents=True)
+    (other / "draftsmith" / "__init__.py").write_text((ROOT / "draftsmith" / "__init__.py").read_text())
+
+    def run(cwd):
+        return subprocess.run([sys.executable, "-c", "import draftsmith.models"], cwd=cwd, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": str(cwd)}, timeout=60)
+
+    mixed = run(other)
+    last = mixed.stderr.strip().splitlines()[-1]
+    assert mixed.returncode != 0 and last.startswith("ImportError: "), mixed.stderr
+    assert f"from {other / 'draftsmith'} " in last and f"from {ROOT / 'models'}:" in last, last
+    assert run(ROOT).returncode == 0  # one tree: imported as ever

@@ -168,7 +168,7 @@ def test_best_threshold_drafts_long_where_confidence_says_it_pays():
     """Two kinds of pass: confident drafts all accepted, unconfident ones all rejected. A fixed
     length pays for the second kind's drafts; a threshold between their confidences drafts
     the first kind fully and the second not at all, which no fixed length can."""
-    from draftsmith.models.latency import best_threshold
+    from draftsmith.models.dspark_calibration import best_threshold
 
     records = [([0.9, 0.9, 0.9, 0.9], 4), ([0.1, 0.1, 0.1, 0.1], 0)] * 3
     choice = best_threshold(records, lambda length: 10.0 + 2.0 * length, max_draft=4)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import LlamaConfig, Qwen3Config
 
-from draftsmith.models.dflash import sample_anchors
+from draftsmith.models.dflash_blocks import sample_anchors
 from draftsmith.models.export import export_run
 from draftsmith.models.native import save_drafter
 from reference_impls import load_reference, reference
@@ -130,7 +130,7 @@ def test_dpace_weights_and_reduction_are_speculators(tmp_path):
     from speculators.losses.eager import ce_loss
     from speculators.losses.utils import loss_function
 
-    from draftsmith.models.dflash import dpace_weights, draft_reduction
+    from draftsmith.models.dflash_loss import dpace_weights, draft_reduction
 
     anchors, block, vocab = 6, 5, 50
     gen = torch.Generator().manual_seed(0)

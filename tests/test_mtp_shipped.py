@@ -296,8 +296,8 @@ def run_recipe(folder: Path, tmp_path: Path, **method) -> tuple[int, Path]:
     out = tmp_path / "run"
     keys = {"target.path": folder, "data.dataset": corpus, "method.name": "mtp", "method.init": "from_target",
             "method.freeze_target": "true", "train.output_dir": out, "train.max_steps": 6, "train.batch_size": 4,
-            "train.seq_len": 24, "train.lr": 1e-2, "train.log_every": 1, "train.eval_every": 6,
-            "train.eval_batches": 1, "train.save_every": 6, "tracking.report_to": "none"}
+            "train.seq_len": 24, "train.lr": 1e-2, "train.log_every": 1, "train.validation_every": 6,
+            "train.validation_batches": 1, "train.save_every": 6, "tracking.report_to": "none"}
     keys |= {f"method.{k}": v for k, v in method.items()}
     return main(["train", *(f"{k}={v}" for k, v in keys.items())]), out
 

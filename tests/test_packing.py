@@ -8,7 +8,8 @@ import torch
 from draftsmith.data.batching import trim_padding
 from draftsmith.data.packing import first_fit, pack_rows
 from draftsmith.models.attention import document_ids
-from draftsmith.models.dflash import concat_layers, sample_anchors
+from draftsmith.models.dflash import concat_layers
+from draftsmith.models.dflash_blocks import sample_anchors
 from draftsmith.models.target import build_tiny_target, freeze, target_forward
 from tiny_models import MASK, VOCAB, drafter_for, dspark_for, peaky_target
 

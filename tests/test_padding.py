@@ -17,8 +17,9 @@ from draftsmith.data.batching import (
     real_length,
     trim_padding,
 )
+from draftsmith.models.model_dir import target_folder
 from draftsmith.recipe import load_recipe
-from draftsmith.train import loop
+from draftsmith.train import loaders, loop
 from tiny_runs import interrupted
 
 SEQ = 256  # longer than every golden conversation (up to ~190 tokens), so every row carries padding
@@ -89,17 +90,17 @@ def test_batches_cut_to_their_longest_row_train_as_rows_padded_to_seq_len(work, 
     monkeypatch.setattr(dflash, "sample_anchors", lambda mask, n, generator=None, docs=None: draw(
         F.pad(mask, (0, SEQ - mask.shape[1])), n, generator, docs))
     widths = []
-    real_collate = loop.trim_padding
+    real_collate = loaders.trim_padding
 
     def recording(rows):
         batch = real_collate(rows)
         widths.append(batch["input_ids"].shape[1])
         return batch
 
-    monkeypatch.setattr(loop, "trim_padding", recording)
+    monkeypatch.setattr(loaders, "trim_padding", recording)
     trimmed = losses(posthoc_run(method, work, f"{method}-trimmed"))
     assert max(widths) < SEQ  # the batches were cut: the comparison is not of equal shapes
-    monkeypatch.setattr(loop, "trim_padding", torch.utils.data.default_collate)
+    monkeypatch.setattr(loaders, "trim_padding", torch.utils.data.default_collate)
     padded = losses(posthoc_run(method, work, f"{method}-padded"))
     assert len(trimmed) == STEPS + 1
     # Equal up to float32 round-off of the same sums over other shapes (measured: EAGLE-3 1e-7
@@ -124,7 +125,7 @@ def test_data_num_proc_tokenizes_in_processes_to_the_same_rows(work, monkeypatch
     for procs, expected in ((3, 3), (1, None)):
         recipe = load_recipe(golden_runs.ROOT / "recipes" / "tiny" / "eagle3.yaml",
                              [*golden_runs.overrides("eagle3", work), f"data.num_proc={procs}"])
-        posthoc_rows.training_rows(recipe, None, tokenizer)
+        posthoc_rows.training_rows(recipe, None, tokenizer, target_folder(recipe.target.path))
         assert asked[-1] == expected
 
 

@@ -99,7 +99,7 @@ def hub(hub_cache, datasets_cache, tmp_path):
 
 def overrides(recipe: str, out: Path, steps: int, **extra) -> list[str]:
     values = {"train.output_dir": out, "train.max_steps": steps, "train.seq_len": SEQ_LEN,
-              "data.heldout_rows": 8, "train.eval_batches": 2, "train.eval_every": steps,
+              "data.heldout_rows": 8, "train.validation_batches": 2, "train.validation_every": steps,
               "train.save_every": steps, "train.log_every": 1, "tracking.report_to": "none"}
     if not load_recipe(ROOT / "recipes" / recipe).target.path:  # from scratch: width and depth
         values |= {"target.num_layers": 2, "target.hidden_size": 64, "target.num_heads": 4,
@@ -150,7 +150,7 @@ def test_pretraining_recipe_rehearsal(recipe, tmp_path, hub, capsys):
     result = json.loads((report / "report.json").read_text())
     assert {d["name"] for d in result["drafters"]} >= {"mtp", "mtp_nextn"}
     for prompt in result["prompts"]:
-        assert prompt["outputs"]["mtp"] == prompt["outputs"]["baseline"] == prompt["outputs"]["mtp_nextn"]
+        assert prompt["outputs"]["mtp"] == prompt["outputs"]["plain"] == prompt["outputs"]["mtp_nextn"]
 
 
 def test_streamed_rows_are_the_packed_corpus_in_order(tmp_path, hub, monkeypatch):
@@ -158,11 +158,12 @@ def test_streamed_rows_are_the_packed_corpus_in_order(tmp_path, hub, monkeypatch
     rows across the tokenizer's batches of documents (7 here); held-out rows first, training after."""
     from draftsmith.data import stream as stream_module
     from draftsmith.data.chat import pack_texts
+    from draftsmith.models.model_dir import target_folder
     from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 
     monkeypatch.setattr(stream_module, "DOCS_PER_BATCH", 7)
     recipe = load_recipe(ROOT / "recipes" / PRETRAIN_RECIPES[0], overrides(PRETRAIN_RECIPES[0], tmp_path / "r", 2))
-    tokenizer = load_tokenizer(recipe)
+    tokenizer = load_tokenizer(recipe, target_folder(recipe.target.path))
     held = packed_corpus(recipe, tokenizer, "validation")
     stream = packed_corpus(recipe, tokenizer, "train")
     docs = documents(0, 120) + documents(1, 120)
@@ -198,7 +199,7 @@ def test_resumed_stream_reproduces_the_uninterrupted_trajectory(tmp_path, hub, m
 
     def run(out, **extra):
         return train(load_recipe(ROOT / "recipes" / recipe, overrides(
-            recipe, out, 4, **{"train.grad_accum": 2, "train.save_every": 2, "train.eval_every": 100, **extra})))
+            recipe, out, 4, **{"train.grad_accum": 2, "train.save_every": 2, "train.validation_every": 100, **extra})))
 
     straight = tmp_path / "straight"
     run(straight)
@@ -267,7 +268,7 @@ def test_two_processes_read_the_stream_as_one_process_accumulating(tmp_path, hub
     assert done.returncode == 0, done.stderr[-3000:]
     for a, b in zip(history(single), history(two), strict=True):
         assert a["step"] == b["step"]
-        for key in ("train/loss", "train/loss_main", "train/loss_mtp_1"):  # validation reads eval_batches per process
+        for key in ("train/loss", "train/loss_main", "train/loss_mtp_1"):  # validation reads validation_batches per process
             if key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-4), (key, a, b)
 

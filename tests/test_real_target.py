@@ -26,7 +26,8 @@ from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.proposers.draft_lm import DraftLMProposer
 from draftsmith.models.export import export_run
 from draftsmith.models.gguf import PROVENANCE, converted_folder, file_sha256, gguf_source
-from draftsmith.models.target import build_tiny_target, find_model_dir, load_target
+from draftsmith.models.model_dir import find_model_dir
+from draftsmith.models.target import build_tiny_target, load_target
 from draftsmith.registry import METHODS, proposer_names
 from test_architectures import METHOD_PROPOSERS
 from tiny_models import assert_same_drafts
@@ -121,8 +122,8 @@ def test_every_drafter_decodes_the_real_target_as_generate_does(real, prompt, re
 # ------------------------------------------------------------- the recipes, trained a few steps
 
 SMALL = ["data.num_conversations=6", "data.regen_max_new_tokens=16", "data.prompt_chars=160",
-         "train.seq_len=128", "train.batch_size=2", "train.max_steps=1", "train.eval_every=1",
-         "train.save_every=1", "train.eval_batches=1"]
+         "train.seq_len=128", "train.batch_size=2", "train.max_steps=1", "train.validation_every=1",
+         "train.save_every=1", "train.validation_batches=1"]
 POST_HOC = sorted(name for name, spec in METHODS.items() if spec.reads_target_features)
 
 

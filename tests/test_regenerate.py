@@ -5,8 +5,8 @@ import torch
 
 from draftsmith.data import regenerate as regen
 from draftsmith.data.corpus import load_embedded_corpus
-from draftsmith.data.regen_server import ReplyDecoding, stop_token_ids
 from draftsmith.data.regenerate import Regeneration, embedded_conversations, regenerate, regenerate_command
+from draftsmith.data.reply_decoding import ReplyDecoding, stop_token_ids
 from draftsmith.data.tokenizer import train_tokenizer
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.target import build_tiny_target

@@ -35,12 +35,12 @@ def results():
         "target": {"path": "runs/tiny-target", "H": 8, "KV": 1, "G": 8, "tile": 128, "D": 15},
         "settings": {"dataset": "mt-bench.jsonl", "num_prompts": 4, "max_new_tokens": 64,
                      "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0},
-        "baseline": {"tokens_per_s": 40.0, "T_target_ms": 25.0},
+        "plain": {"tokens_per_s": 40.0, "T_target_ms": 25.0},
         "drafters": [
             drafter("eagle3", 3, 2.5, 4.0, 30.0, 1.6),
             drafter("dspark", 5, 3.25, 3.0, 31.0, 2.1, extra={"early_stop_rate": 0.125}),
         ],
-        "prompts": [{"prompt_ids": [1, 2, 3], "outputs": {"baseline": [4, 5], "eagle3": [4, 5], "dspark": [4, 5]}}],
+        "prompts": [{"prompt_ids": [1, 2, 3], "outputs": {"plain": [4, 5], "eagle3": [4, 5], "dspark": [4, 5]}}],
     }
 
 
@@ -125,7 +125,7 @@ def test_distinct_4grams_tell_a_loop_from_text():
 
 
 def test_markdown_splits_tau_by_whether_the_text_loops(results, tmp_path):
-    results["baseline"].update(distinct_4gram=0.4, looping_prompts=3)
+    results["plain"].update(distinct_4gram=0.4, looping_prompts=3)
     results["drafters"][0]["tau_no_loop"] = 1.75
     results["drafters"][1]["tau_no_loop"] = None  # every prompt looped
     md = (write_report(results, tmp_path / "report") / "report.md").read_text()
@@ -151,7 +151,7 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
         for temperature in (0.0, 0.7):
             run = copy.deepcopy(results)
             run["settings"].update(temperature=temperature, top_p=0.8, top_k=20)
-            run["baseline"].update(distinct_4gram=0.5 + seed / 10, looping_prompts=seed)
+            run["plain"].update(distinct_4gram=0.5 + seed / 10, looping_prompts=seed)
             for row, tau in zip(run["drafters"], taus):
                 row["tau"] = tau + temperature
                 row["committed_tokens"] = round(row["tau"] * row["verify_passes"])
@@ -181,7 +181,7 @@ def test_bench_demo_summarizes_seeds_from_report_folders(results, tmp_path):
     assert "Prompts whose plain text loops, per seed: 0 1 2." in text
     assert "median 650 s" in text
     del per_seed[2]["t0"]["drafters"][0]  # a drafter missing from one seed is an error, not a gap
-    with pytest.raises(ValueError, match="eagle3 is missing"):
+    with pytest.raises(DraftsmithError, match="eagle3 is missing"):
         bench.summarize(per_seed)
 
 
@@ -254,13 +254,13 @@ def test_bench_demo_reports_each_runs_training_budget(results, tmp_path, monkeyp
     assert "median 300 s (range 300 to 301 s)" in text and "speculators/issues/1135" in text
 
 
-def _eval_folder(results, folder, temperatures, **baseline):
+def _eval_folder(results, folder, temperatures, **plain):
     """An eval output folder: one report per temperature under an index, as eval writes it."""
     runs = []
     for temperature in temperatures:
         run = copy.deepcopy(results)
         run["settings"]["temperature"] = temperature
-        run["baseline"].update(baseline)
+        run["plain"].update(plain)
         runs.append((report.temperature_label(temperature), run))
     for label, run in runs:
         write_report(run, folder / label)
@@ -344,3 +344,38 @@ def test_report_refuses_inputs_it_cannot_put_side_by_side(results, tmp_path, cap
     refused([real, sampled_otherwise], "decoded t0.7 as temperature 0.7, top-p 0.9")
     refused([real, tmp_path / "combined"], "is a combined report: give the eval folders it was made from")
     refused([real, real], "given twice")
+
+
+def test_reports_written_before_plain_was_named_plain_are_still_read(results, tmp_path):
+    """Reports written before plain decoding was named "plain" hold it under "baseline" (its
+    figures, each prompt's outputs, a combined report's `others`): `read_runs` and `draftsmith
+    report` read them as this version names them."""
+    def old(data):
+        text = json.dumps(data).replace('"plain": {"tokens_per_s"', '"baseline": {"tokens_per_s"')
+        return json.loads(text.replace('"outputs": {"plain"', '"outputs": {"baseline"'))
+
+    new = _eval_folder(results, tmp_path / "new", (0.0,))
+    older = _eval_folder(results, tmp_path / "old", (0.0,))
+    (older / "t0" / "report.json").write_text(json.dumps(old(read_runs(new)["t0"])))
+    assert "baseline" in (older / "t0" / "report.json").read_text()
+    assert read_runs(older) == read_runs(new)
+    assert main(["report", str(new), str(older), "--out", str(tmp_path / "both")]) == 0
+    combined = tmp_path / "both" / "t0" / "report.json"
+    combined.write_text(json.dumps(old(json.loads(combined.read_text()))))
+    runs = read_runs(tmp_path / "both")["t0"]
+    assert runs["plain"] == results["plain"] and runs["others"][0]["plain"] == results["plain"]
+    assert runs["prompts"][0]["outputs"]["plain"] == [4, 5]
+
+
+def test_the_auto_section_shows_what_each_tuning_chose(results, tmp_path):
+    """--num-draft auto's table: a drafter whose tuning (eval/proposers/base.py: Tuning) chose
+    options with D has their columns and its note; the others show "-" there."""
+    curve = [{"d": d, "expected_tokens": 1.0 + d, "pass_ms": 10.0, "tokens_per_s": 100.0 + d} for d in range(6)]
+    for d, tuned in zip(results["drafters"], ({}, {"columns": {"threshold": 0.35}, "note": "Chosen with D."})):
+        d["num_draft_auto"] = {"chosen": d["num_draft"], "tile_rule_D": 4, "cap": 5, "curve": curve,
+                               "predicted_tokens_per_s": 104.5, **tuned}
+    md = (write_report(results, tmp_path / "report") / "report.md").read_text()
+    assert "\nChosen with D.\n" in md
+    assert ("| drafter | chosen D | threshold | predicted tokens/s | tile rule D | predicted tokens/s at it | "
+            "measured tokens/s |") in md
+    assert "| eagle3 | 3 | - | 104.5 | 4 | 104.0 | 64.0 |" in md and "| dspark | 5 | 0.35 | 104.5 | 4 | 104.0 | 84.0 |" in md

@@ -14,7 +14,9 @@ from contextlib import contextmanager
 import pytest
 
 from draftsmith.cli import main
-from draftsmith.data.regen_server import Limits, ReplyDecoding, regenerate_via_servers
+from draftsmith.data.regen_server import regenerate_via_servers
+from draftsmith.data.reply_decoding import ReplyDecoding
+from draftsmith.data.server_endpoint import Limits
 from draftsmith.errors import DraftsmithError
 
 HANG = "hang"  # an answer that never comes: the connection is taken and left waiting

@@ -16,17 +16,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import draftsmith.models.target as target_module
-from decoding_helpers import TreeAroundOracle
+import draftsmith.models.compiled_verify as compiled_verify
+from decoding_helpers import OracleProposer, TreeAroundOracle
 from draftsmith.cli import build_parser, main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import SpeculativeDecoder
 from draftsmith.eval.evaluate import _run
 from draftsmith.eval.proposers.base import GREEDY, Draft
 from draftsmith.eval.proposers.ngram import NgramProposer
-from draftsmith.eval.proposers.oracle import OracleProposer
 from draftsmith.eval.settings import EvalSettings
-from draftsmith.models.target import build_tiny_target, is_static_cache, new_cache, target_forward
+from draftsmith.models.target import build_tiny_target, target_forward
+from draftsmith.models.target_cache import is_static_cache, new_cache
 from test_decoder import ARCHS, NEW, PROMPTS, VOCAB  # the decoder tests' tiny targets and prompts
 
 D = 6
@@ -141,7 +141,7 @@ def traced(monkeypatch):
     """Compile with dynamo's eager backend, from an empty dynamo cache; yields the graph counter."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(target_module, "compile_options",
+    monkeypatch.setattr(compiled_verify, "compile_options",
                         lambda device: {"backend": "eager", "fullgraph": True, "dynamic": False})
     torch._dynamo.reset()
     yield lambda: counters["stats"]["unique_graphs"]

@@ -76,12 +76,14 @@ def test_format_plan_explains_g_and_tabulates_around_d():
     assert "| 18 | 133 | 2 |" in text
     assert "| 35 | 252 | 2 |" in text  # 2D + 1
     assert "tree of 18 nodes" in text
-    assert "DFlash block_size auto = 16 (15 drafts; DSpark: 16 drafts), capped at 16" in text  # D = 17
+    assert "DFlash block_size auto = 16 (15 drafts), capped at 16" in text  # D = 17
+    assert "DSpark block_size auto = 16 (16 drafts), capped at 16" in text
 
 
 def test_format_plan_states_the_block_cap_only_when_it_applies():
     text = format_plan(plan_tile(LLAMA_3_70B))  # G = 8: D = 15, 1 + D = 16 fits the cap
-    assert "DFlash block_size auto = 16 (15 drafts; DSpark: 15 drafts)" in text and "capped" not in text
+    assert "DFlash block_size auto = 16 (15 drafts)\n" in text and "DSpark block_size auto = 15 (15 drafts)\n" in text
+    assert "capped" not in text
     text = format_plan(plan_tile(QWEN3_8B))  # G = 4: D = 31
     assert "block_size auto = 16" in text and "capped at 16" in text and "set block_size and gamma" in text
 
@@ -155,3 +157,14 @@ def test_unknown_target_is_one_line_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mystery"}))
     with pytest.raises(DraftsmithError, match="num_attention_heads"):
         read_target_config(tmp_path)
+
+
+def test_plan_prints_the_line_of_each_method_that_declares_one(monkeypatch):
+    """The plan knows no method: a line is a method's `plan_line`, printed where it declares one."""
+    import dataclasses
+
+    from draftsmith.registry import METHODS
+
+    monkeypatch.setitem(METHODS, "dflash", dataclasses.replace(METHODS["dflash"], plan_line=""))
+    text = format_plan(plan_tile(QWEN25_7B))
+    assert "DFlash block_size" not in text and "DSpark block_size auto = 16" in text

@@ -60,7 +60,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch, no_cr
     from draftsmith.train.mtp import MTPTraining
 
     run = tmp_path / "run"
-    settings = dict(tracking__report_to="wandb", tracking__run_name="my-run", train__save_every=4, train__eval_every=100)
+    settings = dict(tracking__report_to="wandb", tracking__run_name="my-run", train__save_every=4, train__validation_every=100)
     interrupted(monkeypatch, MTPTraining, 6, lambda: train(tiny_recipe("mtp", run, **settings)))  # after step 4's save
     train(tiny_recipe("mtp", run, **settings, train__resume=True))
     first, resumed = wandb_inits
@@ -80,7 +80,7 @@ def test_tensorboard_continues_in_the_same_log_without_the_interrupted_steps(tmp
     from draftsmith.train.mtp import MTPTraining
 
     run = tmp_path / "run"
-    settings = dict(tracking__report_to="tensorboard", train__save_every=4, train__eval_every=100)
+    settings = dict(tracking__report_to="tensorboard", train__save_every=4, train__validation_every=100)
     # Killed in step 7: steps 5 and 6 were logged past the checkpoint at 4.
     interrupted(monkeypatch, MTPTraining, 7, lambda: train(tiny_recipe("mtp", run, **settings)))
     train(tiny_recipe("mtp", run, **settings, train__resume=True))

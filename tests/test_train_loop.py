@@ -15,8 +15,8 @@ from draftsmith.models.mtp import mtp_dir
 from draftsmith.models.native import load_drafter
 from draftsmith.recipe import load_recipe
 from draftsmith.train import loop
-from draftsmith.train.checkpoints import checkpoint_folders
-from draftsmith.train.loop import latest_checkpoint, train
+from draftsmith.train.checkpoints import checkpoint_folders, latest_checkpoint
+from draftsmith.train.loop import train
 from tiny_runs import ROOT, interrupted, overrides, tiny_recipe
 
 
@@ -31,7 +31,7 @@ def train_losses(run_dir):
 def test_mtp_loss_falls_and_depth_accuracy_beats_unigram(tmp_path):
     run = tmp_path / "run"
     recipe = tiny_recipe("mtp", run, train__max_steps=60, train__batch_size=8, train__seq_len=64,
-                         train__eval_every=30, train__eval_batches=4)
+                         train__validation_every=30, train__validation_batches=4)
     train(recipe)
     rows = history(run)
     val = [r for r in rows if "val/loss" in r]
@@ -69,10 +69,10 @@ def test_resume_reproduces_the_uninterrupted_trajectory(tmp_path, monkeypatch):
 
     # Killed in step 6, after the checkpoint at step 3 and logged steps 4 and 5.
     interrupted(monkeypatch, MTPTraining, 6,
-                lambda: train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100)))
+                lambda: train(tiny_recipe("mtp", broken, train__save_every=3, train__validation_every=100)))
     assert latest_checkpoint(broken).name == "checkpoint_3"
     assert all((p / "step.json").is_file() for p in checkpoint_folders(broken))  # no half-written one
-    train(tiny_recipe("mtp", broken, train__save_every=3, train__eval_every=100, train__resume=True))
+    train(tiny_recipe("mtp", broken, train__save_every=3, train__validation_every=100, train__resume=True))
     resumed = train_losses(broken)
     assert [s for s, _ in resumed] == list(range(1, 9))
     for (s1, a), (s2, b) in zip(expected, resumed):
@@ -99,7 +99,7 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, monkeypatch):
         return real_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
-    common = dict(train__max_steps=2, train__eval_every=100, train__save_every=100)
+    common = dict(train__max_steps=2, train__validation_every=100, train__save_every=100)
     for current, (batch, accum) in {"b4": (4, 1), "b1x4": (1, 4)}.items():
         grads[current] = []
         train(tiny_recipe("mtp", tmp_path / current, train__batch_size=batch, train__grad_accum=accum, **common))
@@ -113,7 +113,7 @@ def test_gradient_accumulation_matches_a_bigger_batch(tmp_path, monkeypatch):
 
 def test_draft_lm_trains_on_the_targets_tokenizer_with_distillation(tmp_path):
     target_run = tmp_path / "target"
-    train(tiny_recipe("mtp", target_run, train__max_steps=2, train__eval_every=100))
+    train(tiny_recipe("mtp", target_run, train__max_steps=2, train__validation_every=100))
     draft = tmp_path / "draft"
     train(tiny_recipe("draft_lm", draft, target__path=str(target_run), train__max_steps=10,
                       method__hidden_size=32, method__num_heads=2, method__num_layers=1))
@@ -179,7 +179,7 @@ def test_accelerate_launch_runs_the_module_entry(tmp_path):
 def test_accelerate_rotates_the_checkpoints_keeping_the_newest(tmp_path):
     for keep, kept in ((2, [6, 8]), (0, [2, 4, 6, 8])):  # 0: all of them
         run = tmp_path / f"keep{keep}"
-        train(tiny_recipe("mtp", run, train__save_every=2, train__keep_checkpoints=keep, train__eval_every=100))
+        train(tiny_recipe("mtp", run, train__save_every=2, train__keep_checkpoints=keep, train__validation_every=100))
         assert [p.name for p in checkpoint_folders(run)] == [f"checkpoint_{s}" for s in kept]
         assert all((p / "step.json").is_file() for p in checkpoint_folders(run))
 
@@ -192,7 +192,7 @@ def test_num_epochs_sets_the_length_from_the_data(tmp_path):
     run = tmp_path / "run"
     # Given without max_steps (which the tiny recipe sets): the override names both, so max_steps=0 too.
     recipe = tiny_recipe("mtp", run, train__max_steps=0, train__num_epochs=1.5, data__max_chars=6000,
-                         train__eval_every=100, train__save_every=100)
+                         train__validation_every=100, train__save_every=100)
     train(recipe)
     per_epoch = len(packed_corpus(recipe, AutoTokenizer.from_pretrained(run / "model"), "train")) // 4
     assert per_epoch >= 4
@@ -218,7 +218,7 @@ def test_the_run_length_is_max_steps_or_num_epochs(tmp_path):
 def test_schedules_by_name_are_transformers_own(tmp_path, schedule, warmup, factor):
     """train/lr after step s is the rate of step s + 1: transformers' closed forms over 8 steps."""
     run = tmp_path / schedule
-    train(tiny_recipe("mtp", run, train__lr_schedule=schedule, train__warmup_ratio=warmup, train__eval_every=100))
+    train(tiny_recipe("mtp", run, train__lr_schedule=schedule, train__warmup_ratio=warmup, train__validation_every=100))
     logged = [(r["step"], r["train/lr"]) for r in history(run) if "train/lr" in r]
     assert logged == [(s, pytest.approx(3e-3 * factor(s), abs=1e-12)) for s in range(1, 9)]
 
@@ -229,12 +229,39 @@ def test_an_unknown_schedule_is_one_line_before_any_data(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+
+@pytest.mark.parametrize("old, new", [("eval_every", "validation_every"), ("eval_batches", "validation_batches")])
+def test_a_renamed_validation_key_names_its_new_name(tmp_path, old, new):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text(f"train:\n  {old}: 5\n")
+    for args in ((recipe,), (None, [f"train.{old}=5"])):
+        with pytest.raises(DraftsmithError, match=rf"train.{old}: renamed to train.{new}$"):
+            load_recipe(*args)
+
+
+def test_a_run_recorded_under_the_old_validation_keys_resumes_unchanged(tmp_path):
+    """A run folder saved before the rename (recipe.yaml with train.eval_every) is read under the
+    new names: restating its values is no change, and another value one under the new key."""
+    from draftsmith.recipe import dump_recipe
+    from draftsmith.train.run_folder import resume_changes
+
+    out = tmp_path / "run"
+    checkpoint = out / "checkpoints" / "checkpoint_2"
+    checkpoint.mkdir(parents=True)
+    text = dump_recipe(tiny_recipe("mtp", out))
+    (out / "recipe.yaml").write_text(text.replace("validation_every:", "eval_every:")
+                                     .replace("validation_batches:", "eval_batches:"))
+    assert resume_changes(tiny_recipe("mtp", out), checkpoint, 2) == []
+    changed = resume_changes(tiny_recipe("mtp", out, train__validation_every=3), checkpoint, 2)
+    assert changed == [{"step": 2, "key": "train.validation_every", "was": 4, "now": 3}]
+
+
 def test_verbosity_flags_set_what_a_run_says(tmp_path, capsys):
     from draftsmith.cli import main
 
     def run(name, *flags):
         args = ["train", "--recipe", str(ROOT / "recipes/tiny/mtp.yaml"),
-                *overrides(tmp_path / name, train__max_steps=2, train__eval_every=1)]
+                *overrides(tmp_path / name, train__max_steps=2, train__validation_every=1)]
         assert main([*flags[:1], *args, *flags[1:]]) == 0
         return capsys.readouterr().err
 

@@ -14,14 +14,14 @@ from draftsmith.train.loop import train
 from tiny_runs import tiny_recipe
 
 POSTHOC = dict(data__num_conversations=32, data__prompt_chars=120, data__regen_max_new_tokens=40,
-               train__seq_len=96, train__eval_every=15, train__log_every=5, train__save_every=100)
+               train__seq_len=96, train__validation_every=15, train__log_every=5, train__save_every=100)
 
 
 @pytest.fixture(scope="module")
 def mtp_target_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("target") / "mtp"
     train(tiny_recipe("mtp", run, target__num_layers=4, train__max_steps=60, train__batch_size=8,
-                      train__seq_len=64, train__eval_every=100, train__save_every=100))
+                      train__seq_len=64, train__validation_every=100, train__save_every=100))
     return run
 
 
@@ -62,7 +62,7 @@ def test_trained_dflash_beats_an_untrained_one(mtp_target_run, tmp_path):
     # Validated from step 5: a tiny DFlash drops most of its loss in the first steps, then sits
     # on a plateau (the demo's DFlash does the same, README), so step 15 is too late a start.
     train(posthoc("dflash", run, mtp_target_run, train__max_steps=40, train__lr=3e-3, method__num_anchors=16,
-                  method__block_size=8, train__eval_every=5))
+                  method__block_size=8, train__validation_every=5))
     val = [r for r in metrics(run) if "val/loss" in r]
     assert val[-1]["val/loss"] < val[0]["val/loss"] and "val/tau_est" in val[-1]
     from transformers import AutoModelForCausalLM
@@ -164,7 +164,7 @@ def test_anchors_are_drawn_per_micro_batch_and_process_and_a_resume_draws_the_sa
     assert len(seeds) == 8 and anchor_seed(0, 3, 1, True) == anchor_seed(0, 3, 1, True)
     assert anchor_seed(0, 3, 1, False) not in seeds and anchor_seed(1, 3, 1, True) not in seeds
     settings = dict(train__max_steps=6, train__grad_accum=2, train__batch_size=4, train__save_every=3,
-                    train__eval_every=100, train__log_every=1, method__num_anchors=8, method__block_size=4)
+                    train__validation_every=100, train__log_every=1, method__num_anchors=8, method__block_size=4)
     real_loss, seen = DFlashTraining.loss, []
 
     def recording_loss(self, model, batch, step, micro=0, **kwargs):  # the micro-batch numbers the loop passes

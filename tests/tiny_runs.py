@@ -12,7 +12,7 @@ TINY_TARGET = {
 }
 TINY_TRAIN = {
     "train.max_steps": 8, "train.batch_size": 4, "train.seq_len": 32, "train.lr": 3e-3,
-    "train.log_every": 1, "train.eval_every": 4, "train.eval_batches": 2, "train.save_every": 4,
+    "train.log_every": 1, "train.validation_every": 4, "train.validation_batches": 2, "train.save_every": 4,
     "tracking.report_to": "none",
 }
 

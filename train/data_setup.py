@@ -6,19 +6,23 @@ an existing target uses that target's tokenizer, so drafts and target share ids.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.target import find_model_dir
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.recipe import Recipe
 
 
-def load_tokenizer(recipe: Recipe):
+def load_tokenizer(recipe: Recipe, target_dir: Path | str | None):
+    """data.tokenizer's, else the target's (at `target_dir`, its target.path resolved), else one
+    trained on the embedded corpus."""
     from draftsmith.data.tokenizer import load_pretrained_tokenizer
 
     # A hub name (data.tokenizer or the target's) is read from its snapshot in the Hugging Face cache.
-    named = recipe.data.tokenizer or recipe.target.path
-    if named:
-        source = find_model_dir(named)
-        return load_pretrained_tokenizer(source, "data.tokenizer" if recipe.data.tokenizer else "target")
+    if recipe.data.tokenizer:
+        return load_pretrained_tokenizer(find_model_dir(recipe.data.tokenizer), "data.tokenizer")
+    if recipe.target.path:
+        return load_pretrained_tokenizer(target_dir, "target")
     from draftsmith.data.corpus import load_embedded_corpus
     from draftsmith.data.tokenizer import train_tokenizer
 

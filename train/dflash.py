@@ -8,6 +8,7 @@ backbone and data path (`train/dspark.py` subclasses this).
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -38,15 +39,37 @@ class DFlashTraining(PostHocMethod):
     packs = True  # position_ids reach the loss (data/packing.py)
     drafter_class = DFlashDrafter  # DSpark's training trains its own on the same path
 
-    def __init__(self, recipe, device, target=None):
-        super().__init__(recipe, device, target)
+    def __init__(self, recipe, device, target=None, target_dir=None):
+        super().__init__(recipe, device, target, target_dir)
         self.process_index = PartialState().process_index  # read once, not per training step
-        self.embed = self.target.get_input_embeddings()
-        self.head = flat_head(self.target.get_output_embeddings())
+
+    @classmethod
+    def step_keys(cls, shape):
+        keys = {"mask_token_id": shape.vocab_size - 1, "num_anchors": shape.anchors}
+        if shape.drafter_layers:
+            # Distinct target layers: the reference rule repeats layers on a shallow target.
+            count = min(shape.drafter_layers, shape.target_layers)
+            spread = {round(i * (shape.target_layers - 1) / max(count - 1, 1)) for i in range(count)}
+            keys.update(num_layers=shape.drafter_layers, target_layer_ids=sorted(spread))
+        return keys
+
+    @classmethod
+    def drafter_config(cls, target_config, keys, tile):
+        """The mask token, where neither the keys nor the target name one, is a placeholder (0):
+        it sizes nothing, and a run chooses it from its tokenizer."""
+        fields = SimpleNamespace(**target_config) if isinstance(target_config, dict) else target_config
+        if getattr(fields, "mask_token_id", None) is None:
+            keys = {"mask_token_id": 0, **keys}
+        return cls.drafter_class.config_class.from_target(target_config, tile=tile, **keys)
+
+    @classmethod
+    def new_drafter(cls, target, keys, tile):
+        """Sized from the target (the tile rule's block); the keys win."""
+        return cls.drafter_class.from_target(target, tile=tile, **keys)
 
     def build_drafter(self):
-        """A fresh drafter sized from the target (the tile rule's block); the recipe's method keys win."""
-        return self.drafter_class.from_target(self.target, tile=self.recipe.target.tile, **self.drafter_params())
+        """`new_drafter` with the recipe's method keys and, where needed, a mask token."""
+        return self.new_drafter(self.target, self.drafter_params(), self.recipe.target.tile)
 
     def drafter_params(self) -> dict:
         """The recipe's method keys, and a mask token where neither they nor the target name one."""
@@ -60,24 +83,43 @@ class DFlashTraining(PostHocMethod):
         the drafter's config, saved with the run and written into every export, records it."""
         from draftsmith.data.tokenizer import choose_mask_token
 
-        rows = [self.tokens_of(data)["input_ids"] for data in (self.train_data, self.eval_data)]
+        rows = [self.tokens_of(data)["input_ids"] for data in (self.train_data, self.validation_data)]
         mask_id, why = choose_mask_token(self.tokenizer, self.target.get_input_embeddings().num_embeddings, rows)
         own = self.tokenizer.mask_token_id is not None  # nothing was chosen: said only with -v
         log.log(logging.DEBUG if own else logging.INFO, "mask token: id %d, %s", mask_id, why)
         return mask_id
 
-    def extract(self, out):
-        return {"hidden": concat_layers(out.hidden, self.layer_ids)}
+    @classmethod
+    def features_of(cls, drafter, out):
+        return {"hidden": concat_layers(out.hidden, drafter.config.target_layer_ids)}
 
-    def loss_inputs(self, features: dict) -> tuple:
+    def extract(self, out):
+        return self.features_of(self.model.drafter, out)
+
+    @staticmethod
+    def loss_inputs(features: dict) -> tuple:
         """What the drafter's loss takes after the head (DSpark: the target's logits)."""
         return ()
 
-    def loss(self, model, batch, step, micro=0, total_steps=0):
-        f = self.features(batch)
-        hidden = f["hidden"].float()
+    @classmethod
+    def loss_on(cls, model, target, batch, features, generator=None):
+        """The block embeddings and the head are the target's own."""
+        embed, head = target.get_input_embeddings(), flat_head(target.get_output_embeddings())
         mask = batch["loss_mask"] * batch["attention_mask"]
+        return model(features["hidden"].float(), batch["input_ids"], mask, embed, head, *cls.loss_inputs(features),
+                     generator=generator, position_ids=batch.get("position_ids"))  # a packed batch's (data/packing.py)
+
+    def loss(self, model, batch, step, micro=0, total_steps=0):
         gen = torch.Generator(device=batch["input_ids"].device).manual_seed(
             anchor_seed(self.recipe.train.seed, micro, self.process_index, model.training))
-        return model(hidden, batch["input_ids"], mask, self.embed, self.head, *self.loss_inputs(f), generator=gen,
-                     position_ids=batch.get("position_ids"))  # a packed batch's (data/packing.py)
+        return self.loss_on(model, self.target, batch, self.features(batch), gen)
+
+    @classmethod
+    def step_note(cls, config):
+        return (f"{config.num_layers} layers, block {config.block_size}, up to {config.num_anchors} anchors per "
+                f"sequence (query rows per sequence <= {config.num_anchors * config.block_size})")
+
+    @classmethod
+    def describe(cls, config):
+        return (f"B {config.block_size}, gamma {config.gamma:g}, {config.num_anchors} anchors, {config.num_layers} "
+                f"layers, {config.num_kv_heads} KV heads, context layers {config.target_layer_ids}")

@@ -14,31 +14,31 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
 from draftsmith.models.draft_lm import DraftLM, DraftLMConfig, distill_kl
-from draftsmith.models.target import find_model_dir, load_target
+from draftsmith.models.target import load_target
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.method import TrainMethod
 
 
 class DraftLMTraining(TrainMethod):
-    def __init__(self, recipe, device):
-        super().__init__(recipe, device)
+    def __init__(self, recipe, device, target_dir=None):
+        super().__init__(recipe, device, target_dir)
         self.config = c = DraftLMConfig(**recipe.method.params)  # the loss's settings (distillation)
         if not recipe.target.path and c.distill_weight > 0:
             raise DraftsmithError("method.distill_weight > 0 needs target.path (the model to distill from)")
-        self.tokenizer = load_tokenizer(recipe)
+        self.tokenizer = load_tokenizer(recipe, self.target_dir)
         self.target = None
         if recipe.data.feature_cache:
             self.load_answers(recipe, c)
             return
         if recipe.target.path and c.distill_weight > 0:
-            self.target = load_target(find_model_dir(recipe.target.path), device=device)
+            self.target = load_target(self.target_dir, device=device)
             if self.target.config.vocab_size != len(self.tokenizer):
                 raise DraftsmithError(
                     f"target {recipe.target.path} has vocab {self.target.config.vocab_size}, "
                     f"its tokenizer {len(self.tokenizer)}")
         self.model = self.build_drafter()
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
-        self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
+        self.validation_data = packed_corpus(recipe, self.tokenizer, "validation")
 
     def load_answers(self, recipe, c: DraftLMConfig) -> None:
         """The rows of a feature cache, their answer tokens the loss (no target loaded)."""
@@ -54,8 +54,8 @@ class DraftLMTraining(TrainMethod):
             raise DraftsmithError("method.distill_weight > 0 reads the target's logits, which a feature cache's "
                                   "rows do not hold for the draft model: set it to 0 (the rows are its answers)")
         self.model = self.build_drafter()
-        self.train_data, self.eval_data = cached_rows(FeatureCache(recipe.data.feature_cache), recipe,
-                                                      find_model_dir(recipe.target.path))
+        self.train_data, self.validation_data = cached_rows(FeatureCache(recipe.data.feature_cache), recipe,
+                                                            self.target_dir)
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
         cached = self.recipe.data.feature_cache

@@ -23,10 +23,12 @@ class DSparkTraining(DFlashTraining):
         params = self.recipe.method.params
         return dict(params) if params.get("backbone") else super().drafter_params()
 
-    def extract(self, out):
-        return {**super().extract(out), "logits": out.logits}
+    @classmethod
+    def features_of(cls, drafter, out):
+        return {**super().features_of(drafter, out), "logits": out.logits}
 
-    def loss_inputs(self, features: dict) -> tuple:
+    @staticmethod
+    def loss_inputs(features: dict) -> tuple:
         return (features["logits"],)
 
     def save(self, model, out_dir: Path) -> Path:
@@ -37,7 +39,7 @@ class DSparkTraining(DFlashTraining):
 
         folder = super().save(model, out_dir)
         if self.feature_cache is None:
-            path = write_sts(model.drafter, self.target, self.tokens_of(self.eval_data), folder,
+            path = write_sts(model.drafter, self.target, self.tokens_of(self.validation_data), folder,
                              dataset=f"{self.recipe.train.output_dir} held-out rows")
             log.info("confidence calibration: %s", path)
         else:

@@ -39,8 +39,9 @@ def zero_stage() -> int:
 def zero3_blocker(spec: MethodSpec) -> str:
     """Why a method cannot train under ZeRO-3, "" when it can. ZeRO-3 partitions every
     parameter of the prepared module and gathers it only inside that module's forward; a
-    method declares `no_zero3 = "reason"` on its class when it reads parameters otherwise."""
-    return getattr(spec.load("training"), "no_zero3", "")
+    method declares `no_zero3 = "reason"` on its class when it reads parameters otherwise
+    (`TrainMethod.no_zero3`)."""
+    return spec.load("training").no_zero3
 
 
 def check_launch(spec: MethodSpec) -> None:

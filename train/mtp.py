@@ -13,9 +13,10 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_dir
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_forward, mtp_losses
 from draftsmith.models.native import save_drafter
-from draftsmith.models.target import build_tiny_target, find_model_dir, freeze, load_target, target_forward
+from draftsmith.models.target import build_tiny_target, freeze, load_target, target_forward
 from draftsmith.train.data_setup import load_tokenizer, packed_corpus
 from draftsmith.train.method import TrainMethod
 
@@ -52,13 +53,14 @@ class HeadsOnFrozenTarget(nn.Module):
         return out.logits, mtp_forward(self.heads, self.target, input_ids, out.hidden[last])
 
 
-def build_target(recipe, tokenizer, frozen: bool = False, device=None) -> nn.Module:
+def build_target(recipe, tokenizer, target_dir=None, frozen: bool = False, device=None) -> nn.Module:
+    """The target at `target_dir` (the recipe's target.path resolved), else a tiny one built here."""
     t = recipe.target
     if t.path:
         # Pretraining continues: not frozen, and in float32 whatever the checkpoint's dtype (bf16 for
         # Llama-3.2 and Qwen3), so AdamW updates float32 weights; the forward runs in train.mixed_precision.
         # Frozen, still float32: the heads train in float32 and share its embedding and head.
-        return load_target(find_model_dir(t.path), dtype="float32", attn_implementation=t.attn_implementation,
+        return load_target(target_dir, dtype="float32", attn_implementation=t.attn_implementation,
                            frozen=frozen, device=device if frozen else None)
     target = build_tiny_target(
         seed=recipe.train.seed, arch=t.arch, vocab_size=len(tokenizer), num_layers=t.num_layers,
@@ -111,12 +113,13 @@ def depth_weights(num_depths: int, decay: float) -> list[float]:
 
 
 class MTPTraining(TrainMethod):
-    def __init__(self, recipe, device):
-        super().__init__(recipe, device)
+    def __init__(self, recipe, device, target_dir=None):
+        super().__init__(recipe, device, target_dir)
         check_from_target(recipe)
-        self.tokenizer = load_tokenizer(recipe)
+        self.tokenizer = load_tokenizer(recipe, self.target_dir)
         frozen = bool(recipe.method.params.get("freeze_target", False))
-        self.target = target = build_target(recipe, self.tokenizer, frozen=frozen, device=device)
+        self.target = target = build_target(recipe, self.tokenizer, self.target_dir, frozen=frozen,
+                                                  device=device)
         heads = self.build_drafter()
         self.config = heads.config
         if frozen:
@@ -126,7 +129,7 @@ class MTPTraining(TrainMethod):
                 target.gradient_checkpointing_enable()
             self.model = TargetWithMTP(target, heads)
         self.train_data = packed_corpus(recipe, self.tokenizer, "train")
-        self.eval_data = packed_corpus(recipe, self.tokenizer, "validation")
+        self.validation_data = packed_corpus(recipe, self.tokenizer, "validation")
 
     def build_drafter(self) -> MTPDrafter:
         return build_heads(self.recipe, self.target)

@@ -26,8 +26,9 @@ from draftsmith.data.feature_cache import (
 from draftsmith.data.posthoc_rows import chat_settings, rows_settings, training_rows
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import check_not_an_input
+from draftsmith.models.model_dir import target_folder
 from draftsmith.models.native import save_drafter
-from draftsmith.models.target import TargetOutput, find_model_dir, load_target, target_forward
+from draftsmith.models.target import TargetOutput, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
 from draftsmith.train.method import TrainMethod
@@ -55,15 +56,15 @@ class PostHocMethod(TrainMethod):
 
     layer_ids: list[int]
 
-    def __init__(self, recipe: Recipe, device: torch.device, target: nn.Module | None = None):
+    def __init__(self, recipe: Recipe, device: torch.device, target: nn.Module | None = None,
+                 target_dir: Path | str | None = None):
         """`target`: the frozen target already loaded (by another method of one feature cache)."""
-        super().__init__(recipe, device)
+        super().__init__(recipe, device, target_dir)
         from draftsmith.data.tokenizer import check_fits, load_pretrained_tokenizer
         from draftsmith.models.tile import read_target_config
 
         if not recipe.target.path:
             raise DraftsmithError(f"method {recipe.method.name} trains against a frozen target: set target.path=")
-        self.target_dir = find_model_dir(recipe.target.path)
         self.tokenizer = load_pretrained_tokenizer(self.target_dir)
         check_fits(self.tokenizer, read_target_config(self.target_dir).get("vocab_size"), self.target_dir,
                    recipe.target.path)
@@ -90,14 +91,15 @@ class PostHocMethod(TrainMethod):
         recipe = self.recipe
         self.feature_cache = FeatureCache(recipe.data.feature_cache) if recipe.data.feature_cache else None
         if self.feature_cache is not None:
-            self.train_data, self.eval_data = cached_rows(self.feature_cache, recipe, self.target_dir)
+            self.train_data, self.validation_data = cached_rows(self.feature_cache, recipe, self.target_dir)
             self.target = load_target_ends(self.target_dir, dtype=recipe.target.dtype, device=device)
         else:
             if target is None:
                 target = load_target(self.target_dir, dtype=recipe.target.dtype, device=device,
                                      attn_implementation=recipe.target.attn_implementation)
             self.target = target
-            self.train_data, self.eval_data, self.rows_source = training_rows(recipe, self.target, self.tokenizer)
+            self.train_data, self.validation_data, self.rows_source = training_rows(recipe, self.target, self.tokenizer,
+                                                                                      self.target_dir)
 
     def train_tokens(self) -> dict[str, torch.Tensor]:
         """The training rows' token columns [N, T] without features (for a draft vocabulary)."""
@@ -164,7 +166,7 @@ def _check_cacheable(recipes: list[Recipe]) -> None:
                               "features per method; its other runs read the same)")
 
 
-def _rows_and_target(recipe: Recipe, decided: bool) -> dict:
+def _rows_and_target(recipe: Recipe, target_dir: Path | str | None, decided: bool) -> dict:
     """What a cache's rows and features depend on: the rows' settings and the target as
     loaded. Before the methods are built (`decided` False), without the keys a method decides
     when they are unset (data.enable_thinking)."""
@@ -172,16 +174,16 @@ def _rows_and_target(recipe: Recipe, decided: bool) -> dict:
     if not decided:
         rows.pop("data.enable_thinking", None)
     t = recipe.target
-    return {**rows, "target.path": str(find_model_dir(t.path)) if t.path else "", "target.dtype": t.dtype,
+    return {**rows, "target.path": str(target_dir) if t.path else "", "target.dtype": t.dtype,
             "target.attn_implementation": t.attn_implementation}
 
 
-def _check_same_rows(recipes: list[Recipe], decided: bool = False) -> None:
-    """Every recipe trains on the same rows of the same target: one cache holds one set of
-    rows, computed by one target."""
-    first = _rows_and_target(recipes[0], decided)
-    for recipe in recipes[1:]:
-        other = _rows_and_target(recipe, decided)
+def _check_same_rows(recipes: list[Recipe], target_dirs: list, decided: bool = False) -> None:
+    """Every recipe trains on the same rows of the same target (`target_dirs`, the recipes'
+    folders): one cache holds one set of rows, computed by one target."""
+    first = _rows_and_target(recipes[0], target_dirs[0], decided)
+    for recipe, target_dir in zip(recipes[1:], target_dirs[1:]):
+        other = _rows_and_target(recipe, target_dir, decided)
         differs = [k for k in {**first, **other} if first.get(k) != other.get(k)]
         if differs:
             raise DraftsmithError(f"cache-hidden: the {recipes[0].method.name} and {recipe.method.name} recipes "
@@ -191,8 +193,8 @@ def _check_same_rows(recipes: list[Recipe], decided: bool = False) -> None:
 
 def _all_rows(method: PostHocMethod) -> dict[str, torch.Tensor]:
     """A method's training rows, then its held-out ones: {ROW_KEYS: [N, T]} (each split read once)."""
-    train_rows, eval_rows = method.train_data[:], method.eval_data[:]
-    return {k: torch.cat([train_rows[k], eval_rows[k]]) for k in ROW_KEYS}
+    train_rows, validation_rows = method.train_data[:], method.validation_data[:]
+    return {k: torch.cat([train_rows[k], validation_rows[k]]) for k in ROW_KEYS}
 
 
 def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
@@ -203,21 +205,21 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
     from draftsmith.processes import current_processes
 
     _check_cacheable(recipes)
-    _check_same_rows(recipes)
+    target_dirs = [target_folder(recipe.target.path) for recipe in recipes]  # each resolved once
+    _check_same_rows(recipes, target_dirs)
     check_sizes(batch_size, shard_rows)  # before the target is loaded or any data regenerated
-    for recipe in recipes:
-        check_not_an_input(out, {"--target": find_model_dir(recipe.target.path) if recipe.target.path else None,
-                                 "--dataset": recipe.data.dataset}, folder=True)
+    for recipe, target_dir in zip(recipes, target_dirs):
+        check_not_an_input(out, {"--target": target_dir, "--dataset": recipe.data.dataset}, folder=True)
     # Under `accelerate launch` every process computes its share of the shards on its own device.
     processes = current_processes()
     device = torch.device(processes.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     methods, target = [], None
-    for recipe in recipes:
+    for recipe, target_dir in zip(recipes, target_dirs):
         online = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
-        methods.append(recipe.method.spec.load("training")(online, device, target=target))
+        methods.append(recipe.method.spec.load("training")(online, device, target=target, target_dir=target_dir))
         target = methods[-1].target
     first = methods[0]
-    _check_same_rows([m.recipe for m in methods], decided=True)
+    _check_same_rows([m.recipe for m in methods], [m.target_dir for m in methods], decided=True)
     tokens = _all_rows(first)
     for method in methods[1:]:  # the same settings render the same rows; said, not assumed
         rows = _all_rows(method)
@@ -231,7 +233,7 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
                     for m in methods},
         "rows": rows_settings(first.recipe),  # with what the method decided (data.enable_thinking)
         "source": str(first.rows_source),
-        "splits": {"train": len(first.train_data), "eval": len(first.eval_data)},
+        "splits": {"train": len(first.train_data), "eval": len(first.validation_data)},
     }
     layer_ids = sorted({i for m in methods for i in m.layer_ids})
 

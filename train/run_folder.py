@@ -19,10 +19,10 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, first_lines
 from draftsmith.fsutil import ensure_writable_dir, folder_lock, read_json, write_json
 from draftsmith.models.run_weights import BEST, MODEL
-from draftsmith.recipe import Recipe
+from draftsmith.recipe import RENAMED, Recipe
 from draftsmith.train.checkpoints import CHECKPOINTS, checkpoint_folders, checkpoint_step
 
 RUN_FILE = "run.json"
@@ -79,8 +79,8 @@ def check_owner(recipe: Recipe, out_dir: Path) -> dict:
 RESUME_IGNORED = ("train.output_dir", "train.resume", "train.overwrite", "train.resume_changes")
 # Keys a resume may change freely (recorded): when and how much is validated, saved, logged and
 # tracked, memory (gradient checkpointing), and where things are; none moves the trajectory.
-RESUME_FREE = {"train.eval_every", "train.eval_batches", "train.save_every", "train.keep_checkpoints", "train.log_every",
-               "train.dist_timeout", "train.gradient_checkpointing", "data.num_proc", "data.feature_cache",
+RESUME_FREE = {"train.validation_every", "train.validation_batches", "train.save_every", "train.keep_checkpoints",
+               "train.log_every", "train.dist_timeout", "train.gradient_checkpointing", "data.num_proc", "data.feature_cache",
                "target.attn_implementation"}
 RESUME_FREE_SECTIONS = ("tracking.", "eval.")
 RESUME_LONGER = ("train.max_steps", "train.num_epochs")  # free upward: the run goes on further
@@ -99,20 +99,21 @@ def resume_changes(recipe: Recipe, checkpoint: Path, step: int) -> list[dict]:
     run folder's recipe.yaml), each change as {step, key, was, now}. A change of what the run
     trains on, its shapes or its trajectory (anything but `RESUME_FREE`, and a shorter run) is
     refused unless train.resume_changes=allow: the run folder would otherwise record one recipe
-    for steps trained under two. The caller records the changes in run.json."""
-    import yaml
-
+    for steps trained under two. A key one side leaves unset is compared at the value the run
+    used (its saved drafter config, else the default), so restating it is no change. The
+    caller records the changes in run.json."""
     from draftsmith.recipe import recipe_to_dict
 
     recorded = checkpoint.parent.parent / "recipe.yaml"
-    try:
-        old = _flat_recipe(yaml.safe_load(recorded.read_text()) or {})
-    except (OSError, yaml.YAMLError, AttributeError):  # no record to compare with (a bare checkpoint)
+    old = _recorded_recipe(recorded, checkpoint, recipe.train.resume_changes == "allow")
+    if old is None:
         return []
     new = _flat_recipe(recipe_to_dict(recipe))
+    defaults = _defaults(recipe)
+    used = {**defaults, **_saved_config(checkpoint)}  # what the run used where its record says nothing
     changes, guarded = [], []
     for key in sorted(old.keys() | new.keys()):
-        was, now = old.get(key, _UNSET), new.get(key, _UNSET)
+        was, now = old.get(key, used.get(key, _UNSET)), new.get(key, defaults.get(key, _UNSET))
         if was == now or key in RESUME_IGNORED:
             continue
         if key in RESUME_RESOLVED and now is None:
@@ -129,6 +130,63 @@ def resume_changes(recipe: Recipe, checkpoint: Path, step: int) -> list[dict]:
                               "trajectory; give the run's values, or set train.resume_changes=allow to continue "
                               "with the change recorded in run.json")
     return changes
+
+
+def _recorded_recipe(recorded: Path, checkpoint: Path, allow: bool) -> dict | None:
+    """The flat recipe the run recorded. Missing or damaged, nothing says what the run trained
+    with, so the resume is refused in one line, or (train.resume_changes=allow) goes on
+    unchecked, said so: None, and the run's recipe.yaml is written anew from this recipe."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(recorded.read_text())
+        problem = _record_problem(tree)
+    except FileNotFoundError:
+        problem = "is missing"
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        problem = f"cannot be read ({first_lines(exc, 1)})"
+    if not problem:  # a run recorded before a key's rename is read under the key's new name
+        return {RENAMED.get(key, key): value for key, value in _flat_recipe(tree).items()}
+    if not allow:
+        raise DraftsmithError(f"cannot resume from {checkpoint}: the run's recipe record {recorded} {problem}, so "
+                              "nothing says what the run trained with; restore it, or set train.resume_changes=allow "
+                              "to resume unchecked (recipe.yaml is then written from this recipe)")
+    log.warning("draftsmith: resuming from %s unchecked (train.resume_changes=allow): the run's recipe record %s %s; "
+                "it is written anew from this recipe", checkpoint, recorded, problem)
+    return None
+
+
+def _record_problem(tree) -> str:
+    """What is wrong with a parsed recipe.yaml ("" when it is a mapping of sections)."""
+    if tree is None:
+        return "is empty"
+    if isinstance(tree, dict) and tree and all(isinstance(v, dict) for v in tree.values()):
+        return ""
+    return f"is not a mapping of recipe sections ({str(tree)[:40]!r})"
+
+
+def _defaults(recipe: Recipe) -> dict:
+    """Each key's default: the recipe sections' fields and the method config's (a recipe
+    records only the method keys it set; the config derives the rest)."""
+    import dataclasses
+
+    def value(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    sections = {k: v for k, v in _flat_recipe(dataclasses.asdict(Recipe())).items() if not k.startswith("method.")}
+    config = recipe.method.spec.load("config") if recipe.method.name else None
+    method = {f"method.{f.name}": value(f) for f in dataclasses.fields(config)} if config else {}
+    return {**sections, **{k: v for k, v in method.items() if v is not None and v is not dataclasses.MISSING}}
+
+
+def _saved_config(checkpoint: Path) -> dict:
+    """The method keys as the run resolved them: its drafter's config as the checkpoint saved
+    it (models/native.py; what the method derived, a width from the target or a default);
+    {} for a model saved in another format."""
+    saved = checkpoint / MODEL / "config.json"
+    meta = read_json(saved) if saved.is_file() else {}
+    config = meta.get("config") if meta.get("format") == "draftsmith" else None
+    return {f"method.{k}": v for k, v in config.items()} if isinstance(config, dict) else {}
 
 
 def set_aside_later_checkpoints(out_dir: Path, step: int) -> None:
@@ -177,3 +235,29 @@ def claim_run_folder(recipe: Recipe) -> Iterator[dict]:
         if ended:
             log.warning("draftsmith: taking over the lock of process %s in %s, which has ended", ended, out_dir)
         yield check_owner(recipe, out_dir)
+
+
+def record_changes(recipe: Recipe, run: dict, resume_from: Path, step: int) -> dict:
+    """The run's record with the recipe's changes since `resume_from` (a change that moves the
+    trajectory is refused), each with the step it took effect."""
+    changes = resume_changes(recipe, resume_from, step)
+    if not changes:
+        return run
+    log.info("resuming at step %d with %s", step, "; ".join(f"{c['key']} {c['was']!r} -> {c['now']!r}" for c in changes))
+    return {**run, "changes": [*run.get("changes", []), *changes]}
+
+
+def remove_empty(folder: Path) -> None:
+    """Remove `folder` if it (and every folder in it) is empty."""
+    if not folder.is_dir():
+        return
+    for sub in sorted(folder.rglob("*"), reverse=True):
+        if sub.is_dir():
+            try:
+                sub.rmdir()
+            except OSError:
+                return
+    try:
+        folder.rmdir()
+    except OSError:
+        pass

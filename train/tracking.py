@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import atomic_file
+from draftsmith.recipe import Recipe, recipe_to_dict
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +117,42 @@ def start_trackers(accelerator, tracking, out_dir: Path, config: dict, recipe_te
     accelerator.init_trackers(tracking.project, config=config, init_kwargs={"tensorboard": kwargs})
     writer = accelerator.get_tracker("tensorboard", unwrap=True)
     writer.add_text("run", f"{name}\n\n```yaml\n{recipe_text}```", global_step=resume_step or 0)
+
+
+def log_metrics(accelerator, history: Path, step: int, logs: dict[str, float]) -> None:
+    """One step's metrics to the trackers and, on the main process, a line of metrics.jsonl."""
+    if not logs:
+        return
+    accelerator.log(logs, step=step)
+    if accelerator.is_main_process:
+        with history.open("a") as f:
+            f.write(json.dumps({"step": step, **logs}) + "\n")
+
+
+def truncate_history(history: Path, step: int) -> None:
+    """metrics.jsonl without the lines past `step`: what an interrupted run logged after the
+    checkpoint a resume continues from."""
+    if not history.is_file():
+        return
+    lines = history.read_text(errors="replace").splitlines()
+    keep = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):  # the line an interruption cut short
+                break
+            raise DraftsmithError(f"{history}:{number}: not a metrics record; remove the line to resume") from None
+        if row_step <= step:
+            keep.append(line)
+    with atomic_file(history) as f:
+        f.write("".join(line + "\n" for line in keep))
+
+
+def tracker_config(recipe: Recipe) -> dict:
+    """The recipe as one flat mapping of scalars, as trackers take a run's config."""
+    flat = {}
+    for section, values in recipe_to_dict(recipe).items():
+        for k, v in values.items():
+            flat[f"{section}.{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return flat

@@ -13,8 +13,9 @@ import re
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.run_weights import weights_label
-from draftsmith.models.target import check_capturable, find_model_dir
+from draftsmith.models.target import check_capturable
 from draftsmith.registry import import_ref, proposer_names
 
 _LABEL = re.compile(r"([A-Za-z0-9_.+-]+)=(.*)")
@@ -52,9 +53,9 @@ def parse_drafter_arg(arg: str) -> tuple[str, Path | None]:
 
 
 def proposer_from_arg(arg: str, target, overrides: dict[str, dict] | None = None):
-    """The proposer a `--drafter` argument names, built for `target`; its `name` is the argument's NAME.
-    `overrides`: method name -> proposer options set for this run (e.g. eval's
-    --confidence-threshold for dspark); they win over a variant's own options."""
+    """The proposer a `--drafter` argument names, built for `target`; its `name` is the argument's
+    LABEL or NAME. `overrides`: method name -> proposer options set for this run (eval's flags of
+    the registry's decode options); they win over a variant's own options."""
     name, path = parse_drafter_arg(arg)
     method, options = proposer_names()[name]
     options = {**options, **(overrides or {}).get(method.name, {})}

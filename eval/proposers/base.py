@@ -17,15 +17,23 @@ verify of `[last, d1 .. dk]` with `a` drafts accepted, that is `last, d1 .. da`.
 
 Anything a drafter advanced during `propose` (its own KV cache, scratch state) it rolls
 back in `commit`, which is the only place it learns what was kept.
+
+Every proposer subclasses `Proposer`, which also declares what eval reads of a drafter, each
+with a default: `name` and `weights` (its report row), `report_extra()` (method-specific
+report columns) and `tuning()` (a `Tuning`: per-run options `--num-draft auto` chooses with
+D, set through `set_options`, and their report columns).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.sampling_params import GREEDY, SamplingParams  # noqa: F401 (the proposers import them here)
 
 
@@ -69,25 +77,82 @@ class TargetContext:
         return 0 if self.tokens is None else int(self.tokens.shape[0])
 
 
-@runtime_checkable
-class Proposer(Protocol):
-    name: str
+class Proposer(ABC):
+    """What every drafter is to the decoder and to eval: the three calls of the module doc, and
+    the faces eval reads, each with its default here (a method overrides what it offers)."""
+
+    name: str = ""  # the report's row name (eval sets the --drafter argument's LABEL or NAME)
+    weights: str | None = None  # which of a run's weights it reads (best, a checkpoint, last; eval sets it)
     # Target layers (ids: output of decoder layer i, 0-based; the last one is pre-norm)
     # whose hidden states this drafter wants in every TargetContext. Empty: none.
-    capture_layers: tuple[int, ...]
+    capture_layers: tuple[int, ...] = ()
+    # Attributes a run may set after construction (`set_options`): those its tuning chooses.
+    run_options: tuple[str, ...] = ()
 
+    @abstractmethod
     def begin(self, prompt_ids: torch.Tensor, ctx: TargetContext) -> None: ...
 
+    @abstractmethod
     def propose(self, max_nodes: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft: ...
 
+    @abstractmethod
     def commit(self, accepted: torch.Tensor, ctx: TargetContext) -> None: ...
 
+    def set_options(self, **options: Any) -> None:
+        """Set per-run options chosen for this drafter (`Tuned.options`); one it does not declare
+        in `run_options` is refused in one line."""
+        unknown = sorted(set(options) - set(self.run_options))
+        if unknown:
+            raise DraftsmithError(f"drafter {self.name}: no per-run option {', '.join(unknown)} "
+                                  f"(it has: {', '.join(self.run_options) or 'none'})")
+        for option, value in options.items():
+            setattr(self, option, value)
 
-class NoProposer:
+    def report_extra(self) -> dict[str, Any]:
+        """Method-specific report columns, name -> value (the report's `extra`); none by default."""
+        return {}
+
+    def tuning(self) -> Tuning | None:
+        """What `eval --num-draft auto` chooses together with D for this drafter, or None (D alone)."""
+        return None
+
+
+@dataclass
+class Tuned:
+    """A tuning's choice: D and the options with it, and what the report shows of them."""
+
+    num_draft: int
+    tokens_per_s: float  # predicted on the calibration passes
+    options: dict[str, Any]  # set on the evaluated drafter (Proposer.set_options)
+    record: dict[str, Any]  # kept in the report.json row beside the choice (curves, the values chosen)
+    columns: dict[str, Any]  # the report's --num-draft auto table: column heading -> this drafter's value
+    note: str  # the report's line saying how they were chosen
+
+
+class Tuning(ABC):
+    """Per-run options `eval --num-draft auto` (eval/auto_draft.py) chooses together with D:
+    the tuning records the calibration decodes' passes, then prices every setting of its
+    options at every d with the pass cost."""
+
+    # False: choose's pass_ms(d) is the whole pass (verify, drafting timed by the decoder,
+    # host). True: verify and host only, the tuning timing its drafting itself (its recording
+    # does work the verified draft does not, which the decoder's timing would count).
+    prices_own_drafting: bool = False
+
+    @abstractmethod
+    def record(self, num_draft: int) -> None:
+        """A calibration decode at `num_draft` drafts begins (its warm-up first): record its passes."""
+
+    @abstractmethod
+    def choose(self, pass_ms: Callable[[int], float], max_draft: int) -> Tuned:
+        """The D (at most `max_draft`) and options of most expected tokens/s, from the passes
+        recorded at `max_draft`; `pass_ms(d)`: milliseconds of one pass at d drafts."""
+
+
+class NoProposer(Proposer):
     """Proposes nothing: the decoder then runs plain autoregressive decoding (tau = 1)."""
 
-    name = "baseline"
-    capture_layers: tuple[int, ...] = ()
+    name = "plain"
 
     def begin(self, prompt_ids, ctx) -> None:
         pass

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.proposers.base import Draft, SamplingParams, TargetContext
+from draftsmith.eval.proposers.base import Draft, Proposer, SamplingParams, TargetContext
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dflash import ContextCache, DFlashDrafter, check_target, concat_layers
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     def __init__(self, drafter: DFlashDrafter, target, name: str = "dflash"):
         check_target(drafter, target)
         self.name = name

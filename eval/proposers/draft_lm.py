@@ -11,15 +11,14 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError, first_lines
-from draftsmith.eval.proposers.base import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, Proposer, SamplingParams
 from draftsmith.eval.sampling import draw
 from draftsmith.fsutil import read_json
-from draftsmith.models.target import crop_cache, new_cache, target_forward
+from draftsmith.models.target import target_forward
+from draftsmith.models.target_cache import crop_cache, new_cache
 
 
-class DraftLMProposer:
-    capture_layers: tuple[int, ...] = ()
-
+class DraftLMProposer(Proposer):
     def __init__(self, model, target, name: str = "draft-lm"):
         draft_vocab, target_vocab = model.config.vocab_size, getattr(target, "config", target).vocab_size
         if draft_vocab != target_vocab:
@@ -64,6 +63,11 @@ class DraftLMProposer:
         crop_cache(self.cache, self.cache.get_seq_length() - self.drafts_fed + kept)
         self.pending = accepted[kept:]
         self.drafts_fed = None
+
+
+def vllm_config(path, num_draft: int, options: dict) -> tuple[dict, str]:
+    """vLLM serves a draft model from its own Hugging Face folder (`method: draft_model`)."""
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": num_draft}, ""
 
 
 def load_proposer(path, target, **options) -> DraftLMProposer:

@@ -3,23 +3,27 @@
 The refiner runs left to right over the drafted tokens, and the draft may end before the
 first position whose own confidence is below a threshold (DeepSpec's rule; default 0, the
 full block); the adapter counts those early stops and the verify rows they saved
-(`report_extra()`).
+(`report_extra()`). `eval --num-draft auto` chooses the threshold together with D
+(`DSparkTuning`, its `tuning()`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.proposers.base import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, SamplingParams, Tuned, Tuning
 from draftsmith.eval.proposers.dflash import DFlashProposer, on_target_device
 from draftsmith.eval.sampling import draw
 from draftsmith.models.dspark import DSparkDrafter, check_threshold
+from draftsmith.models.dspark_calibration import best_threshold
 
 
 class DSparkProposer(DFlashProposer):
     """`confidence_threshold`: None takes the checkpoint's, 0 always drafts the full block
-    (`draftsmith eval --confidence-threshold` sets it per run).
+    (`draftsmith eval --confidence-threshold` sets it per run; `--num-draft auto` chooses it).
     `refiner=False` drafts with the backbone alone (an ablation; the result stays exact)."""
+
+    run_options = ("confidence_threshold",)
 
     def __init__(self, drafter: DSparkDrafter, target, name: str = "dspark",
                  confidence_threshold: float | None = None, refiner: bool = True):
@@ -31,7 +35,7 @@ class DSparkProposer(DFlashProposer):
         self.proposals = 0  # proposals that asked for at least one draft
         self.early_stops = 0  # of those, ended early by the confidence head
         self.rows_saved = 0  # verify rows those early stops did not spend
-        # `eval --num-draft auto` (eval/auto_draft.py): with a list here, each verify pass's draft
+        # `eval --num-draft auto` (DSparkTuning): with a list here, each verify pass's draft
         # confidences and the drafts it accepted, to price every threshold from one calibration.
         self.confidence_records: list[tuple[list[float], int]] | None = None
         self._pending: list[float] | None = None
@@ -77,6 +81,33 @@ class DSparkProposer(DFlashProposer):
             "early_stop_rate": self.early_stops / self.proposals if self.proposals else 0.0,
             "verify_rows_saved": self.rows_saved,
         }
+
+    def tuning(self) -> DSparkTuning:
+        return DSparkTuning(self)
+
+
+class DSparkTuning(Tuning):
+    """D and the confidence threshold chosen together: while it records, the drafter drafts whole
+    blocks, and each pass of the calibration at the cap prices every threshold
+    (models/dspark_calibration.py: best_threshold)."""
+
+    NOTE = ("A drafter that can end a draft early (DSpark's confidence head) gets D and its confidence threshold "
+            "together: each calibration pass is priced at the draft length the threshold leaves; its prediction "
+            "at the tile rule's D drafts every block in full (threshold 0).")
+
+    def __init__(self, proposer: DSparkProposer):
+        self.proposer = proposer
+        self.records: dict[int, list[tuple[list[float], int]]] = {}
+
+    def record(self, num_draft: int) -> None:
+        self.records[num_draft] = self.proposer.confidence_records = []
+
+    def choose(self, pass_ms, max_draft: int) -> Tuned:
+        pair = best_threshold(self.records.get(max_draft, []), pass_ms, max_draft)
+        threshold = pair["confidence_threshold"]
+        return Tuned(pair["num_draft"], pair["tokens_per_s"], {"confidence_threshold": threshold},
+                     {"confidence_threshold": threshold, "threshold_curve": pair["curve"]},
+                     {"threshold": threshold}, self.NOTE)
 
 
 def load_proposer(path, target, **options) -> DSparkProposer:

@@ -15,12 +15,13 @@ from those (SGLang's draft-extend does the same). Context entries are computed l
 from __future__ import annotations
 
 import heapq
+import time
 from pathlib import Path
 
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers.base import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, Proposer, SamplingParams
 from draftsmith.eval.sampling import draw_without_replacement, process_logits, sample
 from draftsmith.models.eagle3 import DraftKV, Eagle3Drafter
 from draftsmith.models.formats.eagle3 import read
@@ -33,7 +34,7 @@ def load_proposer(path: str | Path, target, tree: bool = False, **options) -> "E
     return Eagle3Proposer(drafter, mode="tree" if tree else "chain", **options)
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(Proposer):
     """`mode="chain"`: max_nodes autoregressive drafts. `mode="tree"`: EAGLE-2's dynamic tree,
     `topk` children per expanded node and `topk` nodes expanded per depth, then the nodes of
     highest cumulative draft log-probability, as many as the node budget (always a tree: a
@@ -45,6 +46,8 @@ class Eagle3Proposer:
     replacement (`sampled_children`, see `fill_tree`; False keeps EAGLE-2's top-k, the
     `eagle3_tree_topk` variant), and the
     decoder's tree sampling accepts either losslessly."""
+
+    run_options = ("topk", "depth")  # the tree's, chosen with D by `eval --num-draft auto` (TreeTuning)
 
     def __init__(self, drafter: Eagle3Drafter, mode: str = "chain", topk: int = 4, depth: int | None = None,
                  budget: int | None = None, name: str | None = None, sampled_children: bool = True):
@@ -61,10 +64,16 @@ class Eagle3Proposer:
         self.capture_layers = tuple(drafter.config.target_layer_ids)
         self.device = drafter.fc.weight.device
         self.draft_ids = drafter.draft_to_target
+        # `eval --num-draft auto` (TreeTuning): with a recorder here, each tree proposal also
+        # grows every width the tuning prices, to price every (topk, depth, D) from one calibration.
+        self.recorder = None
+        self.tokens: torch.Tensor | None = None  # the sequence's tokens, prompt and committed (set by begin)
 
     # ---- the Proposer protocol ---------------------------------------------------------
 
     def begin(self, prompt_ids, ctx) -> None:
+        if self.recorder is not None:
+            self.recorder.end_sequence(self)
         self.cache = DraftKV()
         self.tokens = prompt_ids.to(self.device)
         self.context = 0  # positions whose entry is in the cache
@@ -85,6 +94,14 @@ class Eagle3Proposer:
         if self.mode == "chain":
             return self._chain(max_nodes, sampling, generator)
         return self._tree(max_nodes, sampling, generator)
+
+    def tuning(self):
+        """A tree's width and depth are chosen with D (eval/proposers/eagle3_tree_tuning.py); a chain has D alone."""
+        if self.mode != "tree":
+            return None
+        from draftsmith.eval.proposers.eagle3_tree_tuning import TreeTuning
+
+        return TreeTuning(self)
 
     # ---- context ---------------------------------------------------------------------
 
@@ -136,6 +153,8 @@ class Eagle3Proposer:
 
     def _tree(self, max_nodes: int, sampling: SamplingParams, generator) -> Draft:
         budget = max_nodes if self.budget is None else min(max_nodes, self.budget)
+        if self.recorder is not None:
+            self.recorder.record_pass(self, max_nodes, sampled=not sampling.greedy)
         root = self.drafter.logits(self.last_out)[0, -1]
         shape = self.grow_tree(budget, root).select(budget)
         if sampling.greedy or not self.sampled_children:
@@ -214,7 +233,8 @@ class Eagle3Proposer:
             outputs[n] = out[:, j : j + 1]
         return out
 
-    def grow_tree(self, budget: int, root: torch.Tensor | None = None) -> "TreeCandidates":
+    def grow_tree(self, budget: int, root: torch.Tensor | None = None, topk: int | None = None,
+                  prune: bool = True, level_ms: list[float] | None = None) -> "TreeCandidates":
         """EAGLE-2's expansion: the `topk` best nodes of each depth get their `topk` best
         children, one depth after another, until the budget's depth (`budget` levels, or
         `depth`) or until no node of the newest depth can still be among the `budget` best
@@ -224,18 +244,27 @@ class Eagle3Proposer:
 
         A node at depth d is the drafter entry (its token, its parent's output) at position
         context + d - 1; it sees the context entries, its ancestors' entries and itself.
+
+        `topk` overrides the proposer's; `prune=False` (the tuning's recording) expands every
+        level's `topk` best to `budget` levels, `depth` ignored, whose `select(n)` over the nodes
+        of depth <= d is the pruned tree's of budget n and depth d (pruning skips only nodes
+        below the n-th best, whose subtrees are never selected; tested), and `level_ms` gets
+        each level's milliseconds.
         """
         self._catch_up()
-        k = min(self.topk, self.draft_ids.numel())
+        k = min(topk or self.topk, self.draft_ids.numel())
         nodes = TreeCandidates()
         above: dict[int, list[int]] = {-1: []}  # expanded node -> cache rows of its ancestors and itself
         outputs = {-1: self.last_out}  # expanded node -> its drafter output (its children's hidden)
+        clock = time.perf_counter()
         nodes.add_children(-1, self.drafter.logits(self.last_out)[0, -1] if root is None else root, k,
                            self.draft_ids)
         frontier = list(range(len(nodes)))
-        levels = budget if self.depth is None else min(self.depth, budget)
+        levels = budget if self.depth is None or not prune else min(self.depth, budget)
         for level in range(1, levels):
-            bar = nodes.cutoff(budget)
+            if level_ms is not None:
+                clock = _lap(level_ms, clock)
+            bar = nodes.cutoff(budget) if prune else float("-inf")
             frontier = [n for n in frontier if nodes.score[n] >= bar]
             if not frontier:
                 break
@@ -245,7 +274,15 @@ class Eagle3Proposer:
             for j, n in enumerate(frontier):
                 nodes.add_children(n, logits[j], k, self.draft_ids)
             frontier = sorted(range(first_child, len(nodes)), key=lambda n: -nodes.score[n])[:k]
+        if level_ms is not None:
+            _lap(level_ms, clock)
         return nodes
+
+
+def _lap(laps: list[float], since: float) -> float:
+    now = time.perf_counter()
+    laps.append(1000.0 * (now - since))
+    return now
 
 
 class TreeCandidates:

@@ -37,10 +37,11 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers.base import Draft, SamplingParams
+from draftsmith.eval.proposers.base import Draft, Proposer, SamplingParams
 from draftsmith.eval.sampling import draw
 from draftsmith.models.mtp import MTPDrafter, causal_mask, final_norm
-from draftsmith.models.target import crop_cache, rotary_embedding
+from draftsmith.models.target import rotary_embedding
+from draftsmith.models.target_cache import crop_cache
 
 
 class _Depth:
@@ -61,7 +62,7 @@ class _Depth:
 MODES = ("engine", "exact")
 
 
-class MTPProposer:
+class MTPProposer(Proposer):
     def __init__(self, heads: MTPDrafter, target, name: str = "mtp", mode: str = "engine", modules: int | None = None):
         if mode not in MODES:
             raise DraftsmithError(f"MTP drafting mode {mode!r} does not exist (modes: {', '.join(MODES)})")

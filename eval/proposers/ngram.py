@@ -17,12 +17,10 @@ from __future__ import annotations
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.proposers.base import Draft
+from draftsmith.eval.proposers.base import Draft, Proposer
 
 
-class NgramProposer:
-    capture_layers: tuple[int, ...] = ()
-
+class NgramProposer(Proposer):
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, latest: bool = True, extend: bool = True):
         if not 1 <= min_ngram <= max_ngram:
             raise DraftsmithError(f"n-gram drafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -66,3 +64,15 @@ class NgramProposer:
 
 def load_proposer(path, target, **options) -> NgramProposer:
     return NgramProposer(**options)
+
+
+def vllm_config(path, num_draft: int, options: dict) -> tuple[dict, str]:
+    """vLLM's prompt lookup at our n-gram sizes. vLLM takes the earliest match of the longest
+    n-gram and stops the copy at the context's end (v1/spec_decode/ngram_proposer.py): our
+    `ngram_earliest`; where the row drafts otherwise, the note says so."""
+    proposer = NgramProposer(**options)
+    config = {"method": "ngram", "num_speculative_tokens": num_draft,
+              "prompt_lookup_max": max(proposer.sizes), "prompt_lookup_min": min(proposer.sizes)}
+    same = not proposer.latest and not proposer.extend
+    return config, "" if same else ("vLLM copies after the earliest match and stops at the context's end; this row "
+                                    "copies after the latest and extends a repeat (ngram_earliest drafts as vLLM)")

@@ -6,9 +6,11 @@ A method's formats module is the only code that knows its layouts. It offers:
 - `read(path, target) -> drafter`: the drafter from every layout it is read from (draftsmith's
   native folder, the engines', other trainers'), told apart by `models/layouts.py`;
 - its writers, `write_<format>(folder, out_dir, dtype=None)`, each named in the entry's
-  `exports` (the `--format` choices, known without importing this module);
+  `exports` (the `--format` choices, known without importing this module); those the entry's
+  `latency_exports` names also take `latency_table=` (a cost table written beside the weights);
 - `serve(folder, written, fmt, latency_table=None) -> list[str]`: what `draftsmith export`
-  prints after writing `fmt`: notes, then the engine's serve lines (models/serve.py's pieces);
+  prints after writing `fmt`: notes, then the engine's serve lines (models/serve.py's pieces),
+  sized from what the native `folder` holds and at the tile its run recorded (`recorded_tile`);
 - optionally `check_export(folder, fmt)` (refuse before any format is written), `claim(path,
   meta) -> layout | None` (a folder no architecture names) and `EXPECTED` (what a folder it
   reads holds, said when a folder holds none of it).

@@ -10,7 +10,7 @@ the same). config.json is a Qwen3 config plus `architectures: ["DFlashDraftModel
 `dflash_config: {target_layer_ids, mask_token_id, block_size}`; the readers take each key
 from dflash_config first. The z-lab checkpoints load through
 `AutoModel.from_pretrained(dir, trust_remote_code=True)`, so we add `auto_map` naming our
-own modeling file, `models/zlab_modeling.py`, copied beside the weights. Weights, no
+own modeling file, `models/dflash_remote_code.py`, copied beside the weights. Weights, no
 embedding or lm_head (the target's are used):
 
     layers.{i}.self_attn.{q,k,v,o}_proj.weight   layers.{i}.self_attn.{q,k}_norm.weight
@@ -36,14 +36,15 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import read_json
-from draftsmith.models import zlab_modeling
-from draftsmith.models.dflash import DFlashConfig, DFlashDrafter, reference_layer_ids
+from draftsmith.models import dflash_remote_code
+from draftsmith.models.dflash import DFlashConfig, DFlashDrafter
+from draftsmith.models.dflash_reference import reference_layer_ids
 from draftsmith.models.dtypes import DTYPES, export_dtype, target_dir_of
 from draftsmith.models.formats import read_layouts, speculators, write_folder
-from draftsmith.models.native import load_drafter, load_native_weights
+from draftsmith.models.native import load_drafter, load_native_weights, read_native_meta
 
 DFLASH_ARCH = "DFlashDraftModel"
-MODELING_FILE = "modeling_draftsmith.py"  # models/zlab_modeling.py, as it is
+MODELING_FILE = "modeling_draftsmith.py"  # models/dflash_remote_code.py, as it is
 
 
 # ---------------------------------------------------------------- writing
@@ -102,7 +103,7 @@ def write_block_layout(out_dir, config: dict, state: dict, modeling: bool = Fals
     copies = {}
     if modeling:
         config = {**config, "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{config['architectures'][0]}"}}
-        copies[MODELING_FILE] = zlab_modeling.__file__
+        copies[MODELING_FILE] = dflash_remote_code.__file__
     return write_folder(out_dir, config, state, DTYPES[config["dtype"]], extras, copies)
 
 
@@ -125,20 +126,22 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     target_dir = target_dir_of(folder)
     if fmt == "speculators":
         return speculators.serve(written, target_dir)
-    return block_serve_lines(written, target_dir, METHOD, "DFLASH", lambda block: (block, block - 1), window_flag)
+    return block_serve_lines(folder, written, METHOD, "DFLASH", lambda block: (block, block - 1), window_flag)
 
 
-def block_serve_lines(written: Path, target_dir: Path | None, method: str, algorithm: str,
+def block_serve_lines(folder: Path, written: Path, method: str, algorithm: str,
                       tokens: Callable[[int], tuple[int, int]], flags: Callable[[dict], str]) -> list[str]:
-    """SGLang's and vLLM's lines for a block drafter's folder: `tokens(block)` gives SGLang's
-    --speculative-num-draft-tokens and vLLM's num_speculative_tokens, `flags(config)` SGLang's
-    extra flags; none where the folder records no block or its target is not found."""
-    from draftsmith.models.serve import SGLANG, block_size, engine_args, printed, vllm_line
+    """SGLang's and vLLM's lines for the block drafter of the native `folder`, written to
+    `written`: `tokens(block)` gives SGLang's --speculative-num-draft-tokens and vLLM's
+    num_speculative_tokens, `flags(config)` SGLang's extra flags from the written config; none
+    where its target is not found."""
+    from draftsmith.models.serve import SGLANG, engine_args, printed, vllm_line
 
-    config = read_json(written / "config.json")
-    block = block_size(config)
-    if target_dir is None or block is None:
+    target_dir = target_dir_of(folder)
+    if target_dir is None:
         return []
+    block = int(read_native_meta(folder)["config"]["block_size"])  # as trained: every layout writes it unchanged
+    config = read_json(written / "config.json")
     model, dtype, common = engine_args(target_dir)
     out, (sglang_tokens, vllm_tokens) = str(written), tokens(block)
     return printed([], [f"{SGLANG} {common} --speculative-algorithm {algorithm} --speculative-draft-model-path "
@@ -224,8 +227,12 @@ def speculator_config(drafter: DFlashDrafter, folder: Path, dtype: str | None, a
         "transformer_layer_config": speculators.nested_config(layer),
         "draft_vocab_size": c.vocab_size, "block_size": c.block_size, "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in c.target_layer_ids],
-        # Our sliding layers see their whole block (speculators' non-causal sliding windows).
-        "mask_token_id": c.mask_token_id, "sliding_window_non_causal": bool(c.sliding_window),
+        # Every layer of ours sees its whole block. speculators reads the key for sliding layers
+        # only (full attention is always non-causal there), but vLLM 0.32 turns it into
+        # `dflash_config.causal = not key` for every layer (transformers_utils/configs/speculators/
+        # algos.py, models/qwen3_dflash.py), so false would serve a full-attention drafter causal:
+        # measured, tau 2.39 against our 2.71 on an overfit DFlash (tests/test_engine.py).
+        "mask_token_id": c.mask_token_id, "sliding_window_non_causal": True,
         "sample_from_anchor": anchor_first,
         "draftsmith": {"target_layer_ids": list(c.target_layer_ids), "num_anchors": c.num_anchors},
     }

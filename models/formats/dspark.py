@@ -56,7 +56,6 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.fsutil import read_json
 from draftsmith.models.dspark import (
     ANCHOR_IS_CONTEXT,
     ANCHOR_IS_FIRST_PREDICTION,
@@ -97,7 +96,7 @@ def write_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | Non
     on (the folder's `target`), and SGLang's serving calibration beside it: the confidence
     temperatures training fitted on its held-out rows, and with `latency_table` the
     steps-per-second table (models/dspark_calibration.py)."""
-    from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE, sps_table
+    from draftsmith.models.dspark_calibration import SPS_FILE, STS_FILE, read_sts, sps_table
     from draftsmith.models.target import load_target
 
     drafter = load_drafter(folder, METHOD)
@@ -109,11 +108,7 @@ def write_qwen3_dspark(folder: str | Path, out_dir: str | Path, dtype: str | Non
     extras = {}
     sts = Path(folder) / STS_FILE
     if sts.is_file():
-        calibration = read_json(sts)
-        if len(calibration.get("temperatures") or []) != drafter.drafts_per_block:
-            raise DraftsmithError(f"{sts}: {len(calibration.get('temperatures') or [])} temperatures for a drafter of "
-                                  f"{drafter.drafts_per_block} drafts per block (SGLang's gamma)")
-        extras[STS_FILE] = calibration
+        extras[STS_FILE] = read_sts(sts, drafter.drafts_per_block)
     if latency_table is not None:
         extras[SPS_FILE] = sps_table(latency_table)
     return export_dspark_deepspec(drafter, out_dir, load_target(target_dir), block_dtype(folder, dtype, drafter), extras)
@@ -251,7 +246,7 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     if fmt == "specforge":
         return ["SpecForge's training layout (DSparkDraftModel, settings in dflash_config): SGLang and vLLM "
                 "load --format sglang|vllm (Qwen3DSparkModel) instead"]
-    return block_serve_lines(written, target_dir, METHOD, "DSPARK", lambda block: (block + 1, block),
+    return block_serve_lines(folder, written, METHOD, "DSPARK", lambda block: (block + 1, block),
                              lambda config: _calibration_flags(written))
 
 

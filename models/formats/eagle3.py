@@ -57,8 +57,10 @@ from draftsmith.models.eagle3 import (
     default_layer_ids,
 )
 from draftsmith.models.formats import read_layouts, speculators, write_folder
+from draftsmith.models.model_dir import find_model_dir
 from draftsmith.models.native import config_from_dict, load_native_weights, read_native_meta
-from draftsmith.models.target import find_model_dir, target_shape
+from draftsmith.models.serve import recorded_tile
+from draftsmith.models.target import target_shape
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 ENGINES = ("sglang", "vllm")
@@ -178,13 +180,13 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     the run's acceptance when a table is given (models/latency.py), else the references'."""
     from draftsmith.models.serve import SGLANG, chain, engine_args, printed, vllm_line, window_flag
 
-    target_dir = target_dir_of(folder)
+    target_dir, tile = target_dir_of(folder), recorded_tile(folder)
     notes, steps = [], None
     if latency_table and target_dir is not None:
         from draftsmith.models.latency import chain_steps
         from draftsmith.models.tile import plan_tile, read_target_config
 
-        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target_dir)).D)
+        steps, why = chain_steps(folder, written, latency_table, plan_tile(read_target_config(target_dir), tile).D)
         notes.append(f"EAGLE-3 chain: {why}" if steps else f"EAGLE-3 chain: the references' length ({why})")
     if fmt == "speculators":
         return speculators.serve(written, target_dir, tuple(notes))
@@ -192,7 +194,7 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
         return notes
     config = read_json(written / "config.json")
     model, dtype, common = engine_args(target_dir)
-    flags, d = chain(target_dir, steps)
+    flags, d = chain(target_dir, steps, tile)
     lines = [f"{SGLANG} {common} --speculative-algorithm EAGLE3 --speculative-draft-model-path "
              f"{shlex.quote(str(written))} {flags}{window_flag(config)}",
              vllm_line(model, dtype, {"method": METHOD, "model": str(written), "num_speculative_tokens": d})]
@@ -255,8 +257,9 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     state = load_native_weights(folder)
     out_dtype = export_dtype(folder, dtype, state["fc.weight"].dtype)
     layer = {**c.llama_config().to_diff_dict(), "model_type": "llama", **window_keys(c.sliding_window)}
+    drafts = speculators.chain_drafts(target, recorded_tile(folder))
     config = {
-        **speculators.header(METHOD, ["Eagle3Speculator"], speculators.chain_drafts(target), target, out_dtype),
+        **speculators.header(METHOD, ["Eagle3Speculator"], drafts, target, out_dtype),
         "transformer_layer_config": speculators.nested_config(layer),
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,

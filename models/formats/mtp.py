@@ -63,6 +63,7 @@ from draftsmith.models.formats import speculators, write_folder
 from draftsmith.models.layouts import NATIVE, SPECULATORS, expect, identify
 from draftsmith.models.mtp import MTP_DIR, MTPConfig, MTPDrafter, mtp_dir
 from draftsmith.models.native import load_drafter
+from draftsmith.models.serve import recorded_tile
 
 DEEPSEEK_TYPES = ("deepseek_v3",)  # model_type of targets whose engines run MTP (read in their sources)
 DEEPSEEK_LAYOUT = "deepseek"  # a target whose config declares num_nextn_predict_layers
@@ -253,7 +254,7 @@ def serve(folder: Path, written: Path, fmt: str, latency_table: str | Path | Non
     trained = (config.get("draftsmith_mtp") or {}).get("modules_trained", 1)
     notes = [note] if fmt == "sglang" and (note := sglang_note(trained)) else []
     model, dtype, common = engine_args(written)
-    flags, d = chain(written, None)
+    flags, d = chain(written, None, recorded_tile(folder))
     if not flags:
         return notes
     lines = [vllm_line(model, dtype, {"method": METHOD, "num_speculative_tokens": d})]
@@ -406,8 +407,9 @@ def write_speculators(folder: str | Path, out_dir: str | Path, dtype: str | None
     target = load_target(folder)
     heads = load_drafter(mtp_dir(folder), METHOD, target)
     out_dtype = DTYPES[dtype] if dtype else config_dtype(target_config) or next(heads.parameters()).dtype
+    drafts = speculators.chain_drafts(folder, recorded_tile(folder))
     config = {
-        **speculators.header(METHOD, ["MTPDraftModel"], speculators.chain_drafts(folder), folder, out_dtype),
+        **speculators.header(METHOD, ["MTPDraftModel"], drafts, folder, out_dtype),
         "transformer_layer_config": speculators.nested_config(target_config),
         "num_nextn_predict_layers": 1,
         "draftsmith": {"modules_trained": heads.num_depths, "modules_written": 1,

@@ -60,6 +60,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.fsutil import read_json
 from draftsmith.models.dtypes import dtype_name, target_dir_of
 from draftsmith.models.native import load_native_weights, read_native_meta
+from draftsmith.schema import Count, PositiveFloat, PositiveInt, Schema, validated
 
 SPECULATORS_VERSION = "0.9.0"  # the library version whose config this layout follows
 
@@ -67,12 +68,13 @@ SPECULATORS_VERSION = "0.9.0"  # the library version whose config this layout fo
 # ---------------------------------------------------------------- writing
 
 
-def chain_drafts(target_dir: Path) -> int:
+def chain_drafts(target_dir: Path, tile: int) -> int:
     """Drafts per verify a chained drafter (EAGLE-3, MTP) is served with: the references' steps
-    (models/serve.py: REFERENCE_CHAIN_STEPS) within the tile rule, as the serve lines give it."""
+    (models/serve.py: REFERENCE_CHAIN_STEPS) within the tile rule at `tile`, as the serve lines
+    give it."""
     from draftsmith.models.serve import chain
 
-    return max(1, chain(target_dir, None)[1])
+    return max(1, chain(target_dir, None, tile)[1])
 
 
 def header(kind: str, architectures: list[str], drafts: int, target_dir: Path, dtype: torch.dtype) -> dict:
@@ -132,6 +134,58 @@ def serve_notes(config: dict) -> list[str]:
 
 # ---------------------------------------------------------------- reading
 
+class _Verifier(Schema):
+    name_or_path: str = ""
+    architectures: list[str] = []
+
+
+class _Proposal(Schema):
+    speculative_tokens: PositiveInt | None = None
+
+
+class _SpeculatorsConfig(Schema):
+    verifier: _Verifier | None = None
+    proposal_methods: list[_Proposal] = []
+
+
+class _LayerConfig(Schema):
+    """The draft layer's transformers config, as far as the methods' readers take figures from it."""
+
+    hidden_size: PositiveInt | None = None
+    num_attention_heads: PositiveInt | None = None
+    num_key_value_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    intermediate_size: PositiveInt | None = None
+    vocab_size: PositiveInt | None = None
+    num_hidden_layers: PositiveInt | None = None
+    max_position_embeddings: PositiveInt | None = None
+    rms_norm_eps: PositiveFloat | None = None
+    rope_theta: PositiveFloat | None = None
+    rope_parameters: dict | None = None
+    sliding_window: Count | None = None
+    layer_types: list[str] | None = None
+    model_type: str | None = None
+
+
+class SpeculatorsSchema(Schema):
+    """What draftsmith reads of a speculators config.json, ours or another trainer's (the module
+    doc): the header's mappings, the capture ids (each method's key) and the figures of the
+    draft layer. Keys absent keep the library's defaults; each method's reader refuses in one
+    line the settings it does not implement."""
+
+    speculators_config: _SpeculatorsConfig | None = None
+    transformer_layer_config: _LayerConfig
+    eagle_aux_hidden_state_layer_ids: list[Count] | None = None
+    aux_hidden_state_layer_ids: list[Count] | None = None
+    draft_vocab_size: PositiveInt | None = None
+    target_hidden_size: PositiveInt | None = None
+    block_size: PositiveInt | None = None
+    mask_token_id: Count | None = None
+    sample_from_anchor: bool | None = None
+    norm_before_residual: bool | None = None
+    draftsmith: dict | None = None
+
+
 def load(path: str | Path, meta: dict, target, read) -> torch.nn.Module:
     """A drafter from a speculators folder (`meta`: its config.json), for `target`: its verifier
     must be the target's architecture; `read(meta, layer, weights, target, source)` is the
@@ -139,11 +193,10 @@ def load(path: str | Path, meta: dict, target, read) -> torch.nn.Module:
     does not implement."""
     path = Path(path)
     source = f"{path}/config.json"
+    validated(SpeculatorsSchema, meta, source)  # the one check of the file, before any reader indexes it
     if target is not None:
         check_verifier(meta, target, source)
-    layer = meta.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise DraftsmithError(f"{source}: transformer_layer_config must be the draft layer's config (a mapping)")
+    layer = meta["transformer_layer_config"]
     weights = load_native_weights(path)
     try:
         return read(meta, layer, weights, target, source)
