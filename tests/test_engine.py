@@ -9,7 +9,7 @@ feeds EAGLE-3, DFlash and DSpark; the draft model trains on its rows; "DFlash + 
 DSpark's heads on the trained DFlash (the frozen-backbone convention, DFlash's block).
 
 Marked `engine`: `make test-engine` and CI's engine step run it after `make engine`; `make
-test` leaves it out. About 23 minutes on 2 cores: 20 training the drafters and decoding with
+test` leaves it out. About 16 minutes on 2 cores: 13 training the drafters and decoding with
 ours, 3 for the engine's starts (one per drafter and layout: a speculative config is fixed at
 start), eager on a CPU build (eval/engine.py: server_flags).
 """
