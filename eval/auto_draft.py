@@ -109,7 +109,7 @@ def choose(proposer, make_decoder, auto: AutoPlan, sampling, settings, plain_hos
     low = runs[1][1]
     drafting = linear_cost((1, low), (auto.cap, high))
 
-    def pass_ms(d: int) -> float:
+    def pass_ms(d: int, drafting=drafting) -> float:
         return auto.table.verify_ms(d, auto.context) + (drafting(d) if d else plain_host_ms)
 
     choice = best_draft(acceptance, pass_ms, auto.cap)
@@ -119,9 +119,8 @@ def choose(proposer, make_decoder, auto: AutoPlan, sampling, settings, plain_hos
            "predicted_tokens_per_s": choice.at(choice.num_draft)["tokens_per_s"]}
     if tuning is None:
         return choice.num_draft, row
-    if tuning.prices_own_drafting:
-        tuned = tuning.choose(lambda d: auto.table.verify_ms(d, auto.context) + (host_ms if d else plain_host_ms),
-                              auto.cap)
+    if tuning.prices_own_drafting:  # the host work alone: the tuning adds the drafting it timed
+        tuned = tuning.choose(lambda d: pass_ms(d, lambda _d: host_ms), auto.cap)
     else:
         tuned = tuning.choose(pass_ms, auto.cap)
     row.update(tuned.record, chosen=tuned.num_draft, predicted_tokens_per_s=tuned.tokens_per_s,

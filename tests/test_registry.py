@@ -120,6 +120,8 @@ def _owner(where: str) -> str | None:
         own = {f"train/{name}.py", f"eval/proposers/{name}.py", f"models/formats/{name}.py"}
         if where in own or (where.startswith(f"models/{name}") and where.count("/") == 1):  # models/<name>*.py
             return name
+        if where.startswith(f"eval/proposers/{name}_"):  # a proposer's own helper (eagle3_tree_tuning.py)
+            return name
     return None
 
 

@@ -317,12 +317,16 @@ class TreeCandidates:
             return float("-inf")
         return heapq.nlargest(budget, self.score)[-1]
 
+    def ranked(self) -> list[int]:
+        """Every node, best first: by score, then the shallower (a parent ties before its child)."""
+        return sorted(range(len(self)), key=lambda n: (-self.score[n], self.depth[n], n))
+
     def select(self, budget: int) -> Draft:
         """The `budget` best nodes whose parents are also kept, in BFS order. A child never
         scores above its parent (log-probabilities are <= 0), so this is the top `budget`."""
         kept: list[int] = []
         chosen = {-1}
-        for n in sorted(range(len(self)), key=lambda n: (-self.score[n], self.depth[n], n)):
+        for n in self.ranked():
             if self.parent[n] in chosen:
                 kept.append(n)
                 chosen.add(n)

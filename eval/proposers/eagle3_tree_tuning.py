@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from draftsmith.eval.proposers.base import Tuned, Tuning
+from draftsmith.eval.proposers.eagle3 import TreeCandidates
 
 TOPKS = (1, 2, 4, 8)  # the widths priced; 1 is a chain
 # The deepest tree priced. Recording costs a drafter step per level and width on every
@@ -39,25 +40,25 @@ SAMPLED = " Sampled: the tree is drawn, so these prices are the top-k tree's on 
 
 @dataclass
 class _Grown:
-    """One width's tree of one pass: per node its parent, token, depth and score; level times."""
-    parent: list[int]
-    token: list[int]
-    depth: list[int]
-    score: list[float]
+    """One width's unpruned tree of one pass and each level's milliseconds."""
+    nodes: TreeCandidates
     level_ms: list[float]
 
-    def ranks(self, path: list[int], depth: int) -> list[int]:
-        """Where each node of `path` stands among the nodes of depth <= `depth` in the order
-        TreeCandidates.select keeps them (a parent always before its children)."""
-        keys = [(-self.score[n], self.depth[n], n) for n in range(len(self.score)) if self.depth[n] <= depth]
-        keys.sort()
-        place = {key[2]: i for i, key in enumerate(keys)}
-        return [place[n] for n in path if self.depth[n] <= depth]
+    def ranks(self, path: list[int], depths: int) -> list[list[int]]:
+        """For each depth limit 1..`depths`, where each node of `path` within it stands among the
+        nodes within it, in the order TreeCandidates.select keeps them (one sort for all limits)."""
+        order, depth = self.nodes.ranked(), self.nodes.depth
+        on_path = set(path)
+        out = []
+        for limit in range(1, depths + 1):
+            kept = [n for n in order if depth[n] <= limit]
+            out.append([i for i, n in enumerate(kept) if n in on_path])
+        return out
 
     def path(self, text: list[int]) -> list[int]:
         """The nodes spelling `text` from the root, as far as the tree follows it."""
         children: dict[int, dict[int, int]] = {}
-        for n, (p, t) in enumerate(zip(self.parent, self.token)):
+        for n, (p, t) in enumerate(zip(self.nodes.parent, self.nodes.token)):
             children.setdefault(p, {})[t] = n
         nodes, at = [], -1
         for token in text:
@@ -98,7 +99,7 @@ class TreeRecorder:
         for k in sorted({min(k, proposer.draft_ids.numel()) for k in (*TOPKS, proposer.topk)}):
             laps: list[float] = []
             nodes = proposer.grow_tree(min(depth, MAX_DEPTH), topk=k, prune=False, level_ms=laps)
-            grown[k] = _Grown(nodes.parent, nodes.token, nodes.depth, nodes.score, laps)
+            grown[k] = _Grown(nodes, laps)
         proposer.cache.crop(proposer.context)  # the recorded trees' rows: the verified tree never reads them
         sequence = len(self.texts)
         self.passes.append(_Pass(sequence, len(proposer.tokens), catch_up_ms, grown, sampled))
@@ -126,12 +127,12 @@ class TreeTuning(Tuning):
     def choose(self, pass_ms, max_draft: int) -> Tuned:
         self._stop()
         recorder = self.recorders.get(max_draft) or TreeRecorder()
-        curve = price(recorder, pass_ms, max_draft)
-        best = max(curve, key=lambda p: (p["tokens_per_s"], -p["d"], -p["depth"], -p["topk"]))
+        kept = top_settings(price(recorder, pass_ms, max_draft))
+        best = kept[0]
         options = {"topk": best["topk"], "depth": best["depth"]} if best["d"] else {}
         sampled = any(p.sampled for p in recorder.passes)
         return Tuned(best["d"], best["tokens_per_s"], options,
-                     {"tree_curve": top_settings(curve), "passes_priced": len(recorder.passes)},
+                     {"tree_curve": kept, "passes_priced": len(recorder.passes)},
                      {"topk": best["topk"], "depth": best["depth"]}, NOTE + (SAMPLED if sampled else ""))
 
 
@@ -146,9 +147,10 @@ def price(recorder: TreeRecorder, pass_ms, max_draft: int) -> list[dict]:
     widths = sorted(passes[0].grown)
     for k in widths:
         scored = [(p, p.grown[k], p.grown[k].path(recorder.texts[p.sequence][p.start:])) for p in passes]
-        for depth in range(1, min(max_draft, MAX_DEPTH) + 1):
+        depths = min(max_draft, MAX_DEPTH)
+        ranks_by_depth = list(zip(*(g.ranks(path, depths) for _, g, path in scored)))
+        for depth, ranks in enumerate(ranks_by_depth, start=1):
             draft_ms = sum(p.catch_up_ms + sum(g.level_ms[:depth]) for p, g, _ in scored) / len(scored)
-            ranks = [g.ranks(path, depth) for _, g, path in scored]
             for d in range(depth, max_draft + 1):  # a depth past d is d's: d nodes reach d levels at most
                 accepted = sum(sum(r < d for r in rank) for rank in ranks) / len(ranks)
                 ms = pass_ms(d) + draft_ms
@@ -158,5 +160,6 @@ def price(recorder: TreeRecorder, pass_ms, max_draft: int) -> list[dict]:
 
 
 def top_settings(curve: list[dict], count: int = 10) -> list[dict]:
-    """The report keeps the best settings of the curve, not all of them (widths x depths x d)."""
-    return sorted(curve, key=lambda p: -p["tokens_per_s"])[:count]
+    """The curve's best settings, best first (the choice; the report keeps these, not every
+    width x depth x d): most tokens/s, then the fewest nodes, the shallowest, the narrowest."""
+    return sorted(curve, key=lambda p: (-p["tokens_per_s"], p["d"], p["depth"], p["topk"]))[:count]
