@@ -167,8 +167,13 @@ def _cache_hidden(args) -> None:
     flags = {"target.path": args.target, "data.dataset": args.dataset, "method.name": args.method}
     overrides = [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
     loaded = [load_recipe(path, overrides) for path in recipes]
+    if args.engine is not None:
+        from draftsmith.data.vllm_server import check_engine_name
+
+        check_engine_name(args.engine, "data cache-hidden")
     with output_lock(args.out):  # one writer per cache folder
-        out = cache_hidden(loaded, args.out, batch_size=args.batch_size, shard_rows=args.shard_rows)
+        out = cache_hidden(loaded, args.out, batch_size=args.batch_size, shard_rows=args.shard_rows,
+                           engine=args.engine or "")
     print(f"wrote {out}")
 
 
@@ -388,8 +393,12 @@ def _data_parsers(sub) -> None:
                    help="data.dataset: a conversations file or 'embedded' (default: the recipe's)")
     p.add_argument("--method", default=None, choices=posthoc(), help="method.name (default: the recipe's)")
     p.add_argument("--out", required=True, help="the cache folder (a rerun resumes it)")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per target forward")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per target forward (with --engine: requests in flight)")
     p.add_argument("--shard-rows", type=int, default=0, help="rows per shard file (default: about 1 GB each)")
+    p.add_argument("--engine", default=None, metavar="vllm",
+                   help="run the target's forward in a vLLM server that draftsmith starts (`make engine`, or "
+                        "DRAFTSMITH_ENGINE_PYTHON) and read the layers it captured (default: in this process)")
     p.set_defaults(handler=_cache_hidden)
 
 

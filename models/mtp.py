@@ -33,7 +33,7 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.fields import MethodConfig, option, positive
 from draftsmith.models.native import load_state_strict
-from draftsmith.models.target import cache_kwarg, decoder_layers, decoder_module, rotary_embedding
+from draftsmith.models.target import cache_kwarg, decoder_layers, final_norm, rotary_embedding
 
 MTP_DIR = "mtp"  # the MTP modules sit in this subfolder of the saved target
 
@@ -209,21 +209,6 @@ def from_deepseek_names(state: dict) -> dict:
         prefix, k, rest = name.split(".", 2)
         out[name if rest.startswith(own) else f"{prefix}.{k}.block.{rest}"] = t
     return out
-
-
-_FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")  # Llama/Qwen/DeepSeek, then others
-
-
-def final_norm(target: nn.Module) -> nn.Module:
-    """The target's final norm, the last step before its output head."""
-    decoder = decoder_module(target)
-    for name in _FINAL_NORMS:
-        norm = getattr(decoder, name, None)
-        if isinstance(norm, nn.Module):
-            return norm
-    raise DraftsmithError(f"target {type(target).__name__}: no final norm found in its decoder "
-                          f"{type(decoder).__name__} (looked for {', '.join(_FINAL_NORMS)}); MTP modules read "
-                          "the hidden state after it")
 
 
 def engine_hidden(target: nn.Module, last_layer_output: torch.Tensor) -> torch.Tensor:

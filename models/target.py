@@ -172,6 +172,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return model.get_submodule(_layer_path(model))
 
 
+_FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")  # Llama/Qwen/DeepSeek, then others
+
+
+def final_norm(target: nn.Module) -> nn.Module:
+    """The target's final norm, the last step before its output head (what MTP modules and
+    logits over an engine's captured last-layer output read)."""
+    children = dict(decoder_module(target).named_children())
+    decoder = decoder_module(target)
+    for name in _FINAL_NORMS:
+        if isinstance(children.get(name), nn.Module):
+            return children[name]
+    raise DraftsmithError(f"target {type(target).__name__}: no final norm found in its decoder "
+                          f"{type(decoder).__name__} (looked for {', '.join(_FINAL_NORMS)}); the state after it "
+                          "is what its head reads")
+
+
 def rotary_embedding(model: nn.Module) -> nn.Module:
     """The decoder's shared rotary embedding (Llama family: `rotary_emb`)."""
     rotary = getattr(decoder_module(model), "rotary_emb", None)

@@ -89,7 +89,7 @@ def main() -> int:
 
     server = None
     if args.engine:
-        from draftsmith.eval.engine import Served, VllmServer, engine_python
+        from draftsmith.data.vllm_server import Served, VllmServer, engine_python
         from draftsmith.models.serve import engine_args
 
         plain = Served("plain", str(target_dir), engine_args(target_dir)[1])

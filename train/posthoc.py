@@ -10,11 +10,14 @@ With `data.feature_cache=DIR` those features come from a cache that `cache_hidde
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from draftsmith.data.engine_capture import IN_PROCESS, EngineCapture
 from draftsmith.data.feature_cache import (
     ROW_KEYS,
     FeatureCache,
@@ -32,6 +35,8 @@ from draftsmith.models.target import TargetOutput, load_target, target_forward
 from draftsmith.recipe import Recipe
 from draftsmith.registry import posthoc
 from draftsmith.train.method import TrainMethod
+
+log = logging.getLogger(__name__)
 
 
 class LossForward(nn.Module):
@@ -197,13 +202,18 @@ def _all_rows(method: PostHocMethod) -> dict[str, torch.Tensor]:
     return {k: torch.cat([train_rows[k], validation_rows[k]]) for k in ROW_KEYS}
 
 
-def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, shard_rows: int = 0) -> Path:
+def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, shard_rows: int = 0,
+                 engine: str = "") -> Path:
     """Run the target once over the rows the recipes train on and store what each one's method
     reads of them (`draftsmith data cache-hidden`); resumable. Builds each method itself, so
     the rows, split, layer ids and draft vocabulary are the training runs' own; the target is
-    loaded once, and each batch's forward captures the layers every method reads."""
+    loaded once, and each batch's forward captures the layers every method reads. `engine`
+    "vllm": the forward runs in a vLLM server instead (data/engine_capture.py)."""
+    from draftsmith.data.vllm_server import check_engine_name
     from draftsmith.processes import current_processes
 
+    if engine:
+        check_engine_name(engine, "cache-hidden")
     _check_cacheable(recipes)
     target_dirs = [target_folder(recipe.target.path) for recipe in recipes]  # each resolved once
     _check_same_rows(recipes, target_dirs)
@@ -212,6 +222,9 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
         check_not_an_input(out, {"--target": target_dir, "--dataset": recipe.data.dataset}, folder=True)
     # Under `accelerate launch` every process computes its share of the shards on its own device.
     processes = current_processes()
+    if engine and processes.world > 1:
+        raise DraftsmithError("cache-hidden --engine: one process drives the engine (it batches the requests "
+                              "itself); run it without accelerate launch")
     device = torch.device(processes.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     methods, target = [], None
     for recipe, target_dir in zip(recipes, target_dirs):
@@ -237,9 +250,21 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
     }
     layer_ids = sorted({i for m in methods for i in m.layer_ids})
 
-    def compute(batch):
-        out = frozen_forward(target, {k: v.to(device) for k, v in batch.items()}, layer_ids)
-        return {f"{m.recipe.method.name}.{k}": v for m in methods for k, v in m.extract(out).items()}
+    def write(forward, label: str) -> Path:  # each method's `extract` of `forward(batch)`, and who ran it
+        def compute(batch):
+            features = forward(batch)
+            return {f"{m.recipe.method.name}.{k}": v for m in methods for k, v in m.extract(features).items()}
 
-    return write_feature_cache(out, identity, tokens, compute, batch_size=batch_size, shard_rows=shard_rows,
-                               processes=processes)
+        started = time.monotonic()
+        written = write_feature_cache(out, {**identity, "capture": label}, tokens, compute, batch_size=batch_size,
+                                      shard_rows=shard_rows, processes=processes)
+        log.info("features of %d rows written in %.1f s (%s)", len(tokens["input_ids"]), time.monotonic() - started,
+                 label)
+        return written
+
+    if not engine:
+        return write(lambda batch: frozen_forward(target, {k: v.to(device) for k, v in batch.items()}, layer_ids),
+                     IN_PROCESS)
+    with EngineCapture(target, first.target_dir, layer_ids, tokens["input_ids"].shape[1], Path(out) / ".engine",
+                       in_flight=batch_size) as capture:
+        return write(capture.forward, capture.label)

@@ -1,0 +1,160 @@
+"""The feature cache's target forward run by the serving engine (`draftsmith data cache-hidden
+--engine vllm`): vLLM prefills each row once with its own kernels and batching and writes the
+layers asked for; the trainer reads what it wrote, as SpecForge, speculators and ModelOpt do.
+
+The server is the one speculators' data generation starts: speculative method
+`extract_hidden_states` with `eagle_aux_hidden_state_layer_ids`, and a KV connector that writes
+each request's states to a safetensors file whose path comes back in the reply's
+`kv_transfer_params`. The connector is ours (data/vllm_capture_connector.py, copied beside the
+server's log and loaded by module path): vLLM's example one writes nothing on a CPU build, and
+on a GPU ours is the example one.
+
+vLLM numbers its capture points by the layer they enter: id k is the output of decoder layer
+k - 1 (id 0 the embeddings). draftsmith's layer i is the output of layer i, so it asks for
+i + 1, and always for the last layer's output, through which the target's own final norm and
+head (in this process) give the logits that EAGLE-3's teacher and DSpark read: the engine
+returns none over the prompt (a prompt-logprob of every vocabulary row per position is not on
+its wire). Measured on SmolLM2-135M in float32: the largest difference from the in-process
+forward is 1.1e-6 of the layer's largest value (the last layer; 1.6e-7 in the middle), and
+1.2e-4 on logits of about 50, with the same argmax everywhere (tests/test_engine_capture.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from draftsmith.data.server_endpoint import Endpoint, Limits
+from draftsmith.errors import DraftsmithError
+from draftsmith.fsutil import open_safetensors
+from draftsmith.models.target import TargetOutput, decoder_layers, final_norm
+
+IN_PROCESS = "in-process"  # the manifest's `capture` when the target ran in this process
+CONNECTOR = "HostHiddenStatesConnector"
+CONNECTOR_MODULE = "draftsmith_capture_connector"
+log = logging.getLogger(__name__)
+
+
+def capture_config(engine_ids: list[int], storage: Path) -> tuple[dict, dict]:
+    """(speculative config, KV-transfer config) of a capturing server."""
+    speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                   "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": engine_ids}}}
+    transfer = {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return speculative, transfer
+
+
+def read_capture(path: str, tokens: torch.Tensor, num_states: int, hidden_size: int) -> torch.Tensor:
+    """The states [T, num_states, H] the engine wrote for one row of `tokens` [T]: waits for the
+    writer's lock, checks the file against the request, and removes it (it was read whole)."""
+    lock = Path(f"{path}.lock")
+    if lock.is_file():
+        with lock.open() as held:
+            fcntl.flock(held, fcntl.LOCK_SH)  # the connector holds it exclusively until written
+    remedy = "the engine wrote no whole capture for this row; rerun to resume from the shards written"
+    with open_safetensors(path, remedy) as f:
+        states, written = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+    if written.shape != tokens.shape or not torch.equal(written.to(tokens.dtype), tokens):
+        raise DraftsmithError(f"engine capture {path}: {written.numel()} tokens captured where the request sent "
+                              f"{tokens.numel()}" + ("" if written.numel() != tokens.numel() else " (other ids)"))
+    if tuple(states.shape) != (tokens.numel(), num_states, hidden_size):
+        raise DraftsmithError(f"engine capture {path}: states of shape {list(states.shape)}, where "
+                              f"[{tokens.numel()}, {num_states}, {hidden_size}] were asked (other layers or "
+                              "another model)")
+    lock.unlink(missing_ok=True)
+    Path(path).unlink(missing_ok=True)
+    return states
+
+
+class EngineCapture:
+    """A vLLM server capturing one target's layers, for `write_feature_cache`'s batches; used
+    with `with`. `forward` gives what `frozen_forward` gives in-process: the captured layers at
+    the rows' real positions (zero at padding, which every loss masks) and the logits."""
+
+    def __init__(self, target: nn.Module, target_dir: Path, layer_ids: list[int], max_len: int, work_dir: Path,
+                 in_flight: int = 16):
+        from draftsmith.data.vllm_server import Served, VllmServer, engine_build, engine_python, server_flags
+
+        self.target, self.last = target, len(decoder_layers(target)) - 1
+        self.layer_ids = sorted({*layer_ids, self.last})
+        self.engine_ids = [i + 1 for i in self.layer_ids]  # vLLM's id k: what enters layer k
+        self.in_flight = in_flight
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self.storage = work_dir / "captures"
+        shutil.rmtree(self.storage, ignore_errors=True)  # an earlier run's files belong to no request now
+        plugin = work_dir / "plugin"
+        plugin.mkdir(exist_ok=True)
+        shutil.copyfile(Path(__file__).with_name("vllm_capture_connector.py"), plugin / f"{CONNECTOR_MODULE}.py")
+        python = engine_python()
+        self.build = engine_build(python)
+        speculative, transfer = capture_config(self.engine_ids, self.storage)
+        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+        served = Served(layout="extract_hidden_states", model=str(target_dir), dtype=dtype,
+                        speculative_config=speculative)
+        flags = [*server_flags(self.build), "--kv-transfer-config", json.dumps(transfer)]
+        started = time.monotonic()
+        self.server = VllmServer(python, served, work_dir / "vllm.log", max_len + 1, flags=flags,
+                                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(plugin),
+                                                                                 os.environ.get("PYTHONPATH")]))})
+        log.info("engine ready in %.1f s: %s capturing vLLM layers %s (log: %s)", time.monotonic() - started,
+                 self.label, self.engine_ids, self.server.log)
+        # No retries: a request sent again after the engine died would only wait for it again.
+        self.endpoint = Endpoint(self.server.url, Limits(in_flight=in_flight, retries=0))
+        self.model = str(target_dir)
+
+    @property
+    def label(self) -> str:
+        """What the manifest records as the path that wrote the features."""
+        return f"vllm {self.build['version']} ({self.build['device']})"
+
+    def _row(self, tokens: torch.Tensor) -> torch.Tensor:
+        body = {"model": self.model, "prompt": tokens.tolist(), "max_tokens": 1, "temperature": 0.0}
+        try:
+            reply = self.endpoint.call("/completions", body)
+        except DraftsmithError as exc:
+            from draftsmith.data.local_server import why_it_failed
+
+            if self.server.process.poll() is not None:  # the engine died: its log says why
+                raise DraftsmithError(f"vLLM exited mid-capture: {why_it_failed(self.server.log, str(exc))} "
+                                      f"(log: {self.server.log}); rerun to resume from the shards written") from None
+            raise
+        path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not path:
+            raise DraftsmithError(f"vLLM at {self.server.url} answered without a hidden_states_path: "
+                                  "its KV connector is not capturing")
+        return read_capture(path, tokens, len(self.engine_ids), self.target.config.hidden_size)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> TargetOutput:
+        ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
+        lengths = mask.sum(dim=1)
+        if not torch.equal(mask, torch.arange(ids.shape[1])[None, :] < lengths[:, None]):
+            raise DraftsmithError("engine capture: rows must be padded on the right (their tokens first)")
+        with ThreadPoolExecutor(max_workers=self.in_flight) as pool:
+            captured = list(pool.map(self._row, [row[:n] for row, n in zip(ids, lengths.tolist())]))
+        b, t = ids.shape
+        width = self.target.config.hidden_size
+        dtype = next(self.target.parameters()).dtype
+        hidden = {i: torch.zeros(b, t, width, dtype=dtype) for i in self.layer_ids}
+        for r, states in enumerate(captured):
+            for j, i in enumerate(self.layer_ids):
+                hidden[i][r, : states.shape[0]] = states[:, j].to(dtype)
+        device = next(self.target.parameters()).device
+        with torch.no_grad():
+            last = hidden[self.last].to(device)
+            logits = self.target.get_output_embeddings()(final_norm(self.target)(last))
+        return TargetOutput(logits=logits, hidden={i: h.to(device) for i, h in hidden.items()})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.stop()
