@@ -84,10 +84,13 @@ class EngineCapture:
                  in_flight: int = 16):
         from draftsmith.data.vllm_server import Served, VllmServer, engine_build, engine_python, server_flags
 
-        self.target, self.last = target, len(decoder_layers(target)) - 1
+        weight = next(target.parameters())
+        self.dtype, self.device, self.width = weight.dtype, weight.device, target.config.hidden_size
+        # What turns the captured last layer into logits, as the target does after it.
+        self.norm, self.head = final_norm(target), target.get_output_embeddings()
+        self.last = len(decoder_layers(target)) - 1
         self.layer_ids = sorted({*layer_ids, self.last})
         self.engine_ids = [i + 1 for i in self.layer_ids]  # vLLM's id k: what enters layer k
-        self.in_flight = in_flight
         work_dir.mkdir(parents=True, exist_ok=True)
         self.storage = work_dir / "captures"
         shutil.rmtree(self.storage, ignore_errors=True)  # an earlier run's files belong to no request now
@@ -97,8 +100,8 @@ class EngineCapture:
         python = engine_python()
         self.build = engine_build(python)
         speculative, transfer = capture_config(self.engine_ids, self.storage)
-        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
-        served = Served(layout="extract_hidden_states", model=str(target_dir), dtype=dtype,
+        served = Served(layout="extract_hidden_states", model=str(target_dir),
+                        dtype=str(self.dtype).removeprefix("torch."),
                         speculative_config=speculative)
         flags = [*server_flags(self.build), "--kv-transfer-config", json.dumps(transfer)]
         started = time.monotonic()
@@ -109,6 +112,7 @@ class EngineCapture:
                  self.label, self.engine_ids, self.server.log)
         # No retries: a request sent again after the engine died would only wait for it again.
         self.endpoint = Endpoint(self.server.url, Limits(in_flight=in_flight, retries=0))
+        self.pool = ThreadPoolExecutor(max_workers=in_flight)  # a batch's rows in flight at once
         self.model = str(target_dir)
 
     @property
@@ -131,30 +135,26 @@ class EngineCapture:
         if not path:
             raise DraftsmithError(f"vLLM at {self.server.url} answered without a hidden_states_path: "
                                   "its KV connector is not capturing")
-        return read_capture(path, tokens, len(self.engine_ids), self.target.config.hidden_size)
+        return read_capture(path, tokens, len(self.engine_ids), self.width)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> TargetOutput:
         ids, mask = batch["input_ids"].cpu(), batch["attention_mask"].cpu().bool()
         lengths = mask.sum(dim=1)
         if not torch.equal(mask, torch.arange(ids.shape[1])[None, :] < lengths[:, None]):
             raise DraftsmithError("engine capture: rows must be padded on the right (their tokens first)")
-        with ThreadPoolExecutor(max_workers=self.in_flight) as pool:
-            captured = list(pool.map(self._row, [row[:n] for row, n in zip(ids, lengths.tolist())]))
-        b, t = ids.shape
-        width = self.target.config.hidden_size
-        dtype = next(self.target.parameters()).dtype
-        hidden = {i: torch.zeros(b, t, width, dtype=dtype) for i in self.layer_ids}
+        captured = list(self.pool.map(self._row, [row[:n] for row, n in zip(ids, lengths.tolist())]))
+        hidden = {i: torch.zeros(*ids.shape, self.width, dtype=self.dtype) for i in self.layer_ids}
         for r, states in enumerate(captured):
             for j, i in enumerate(self.layer_ids):
-                hidden[i][r, : states.shape[0]] = states[:, j].to(dtype)
-        device = next(self.target.parameters()).device
+                hidden[i][r, : states.shape[0]] = states[:, j].to(self.dtype)
+        hidden = {i: h.to(self.device) for i, h in hidden.items()}
         with torch.no_grad():
-            last = hidden[self.last].to(device)
-            logits = self.target.get_output_embeddings()(final_norm(self.target)(last))
-        return TargetOutput(logits=logits, hidden={i: h.to(device) for i, h in hidden.items()})
+            logits = self.head(self.norm(hidden[self.last]))
+        return TargetOutput(logits=logits, hidden=hidden)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
+        self.pool.shutdown(cancel_futures=True)
         self.server.stop()

@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 from draftsmith.data.feature_cache import target_fingerprint
@@ -18,6 +20,7 @@ from draftsmith.fsutil import atomic_file, output_lock
 from draftsmith.recipe import Recipe
 
 EVAL_FRACTION = 0.05
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -39,13 +42,9 @@ def conversations_file(recipe: Recipe, target, tokenizer, target_dir: Path | str
     if data.dataset == STDLIB_INSTRUCTIONS and not data.regenerate:
         raise DraftsmithError(f"data.dataset {STDLIB_INSTRUCTIONS} holds prompts only: the target answers them "
                               "(data.regenerate must be true)")
-    if not embedded and not data.regenerate:
+    out = answers_file(recipe, target_dir)
+    if out is None:
         return _dataset_file(recipe), False
-    # Answers depend only on the target and these settings, so every drafter trained
-    # against the same target shares them: they are cached under a key of both.
-    identity = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
-    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    out = cache_dir() / "regenerated" / f"{key}.jsonl"
     conversations = lambda: (embedded_conversations(data.num_conversations, data.prompt_chars)  # noqa: E731
                              if embedded else _load_dataset(data))
     settings = regeneration(data, recipe.train.seed)
@@ -57,9 +56,24 @@ def conversations_file(recipe: Recipe, target, tokenizer, target_dir: Path | str
             # One writer per cache file: two runs answering into it at once would double its answers.
             with output_lock(out, "the regenerated answers"):
                 if not out.is_file():
+                    started = time.monotonic()
                     run_regeneration(settings, target_dir, tokenizer, conversations, out, untemplated=embedded,
                                      names=(recipe.target.path,), model=target)
+                    log.info("the target's answers written in %.1f s (%s)", time.monotonic() - started,
+                             ", ".join(settings.servers) or "in-process")
     return out, embedded
+
+
+def answers_file(recipe: Recipe, target_dir: Path | str | None) -> Path | None:
+    """Where the target's answers to the recipe's conversations are cached (None: the recipe
+    trains on its dataset's own answers). Answers depend only on the target and these
+    settings, so every drafter trained against the same target shares them: the key is of
+    both, not of who answered (this process or a server)."""
+    data = recipe.data
+    if data.dataset != "embedded" and not data.regenerate:
+        return None
+    identity = json.dumps([answer_settings(recipe), target_fingerprint(target_dir)], sort_keys=True)
+    return cache_dir() / "regenerated" / f"{hashlib.sha256(identity.encode()).hexdigest()[:16]}.jsonl"
 
 
 def chat_settings(recipe: Recipe, tokenizer) -> tuple[str | None, dict]:

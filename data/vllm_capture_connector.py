@@ -31,9 +31,6 @@ class _Written:
     def query(self) -> bool:
         return True
 
-    def synchronize(self) -> None:
-        pass
-
 
 class HostHiddenStatesConnector(ExampleHiddenStatesConnector):
     def _submit_async_write(self, pending) -> None:

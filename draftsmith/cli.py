@@ -167,10 +167,6 @@ def _cache_hidden(args) -> None:
     flags = {"target.path": args.target, "data.dataset": args.dataset, "method.name": args.method}
     overrides = [*args.overrides, *(f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
     loaded = [load_recipe(path, overrides) for path in recipes]
-    if args.engine is not None:
-        from draftsmith.data.vllm_server import check_engine_name
-
-        check_engine_name(args.engine, "data cache-hidden")
     with output_lock(args.out):  # one writer per cache folder
         out = cache_hidden(loaded, args.out, batch_size=args.batch_size, shard_rows=args.shard_rows,
                            engine=args.engine or "")

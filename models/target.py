@@ -178,8 +178,8 @@ _FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm")  # Llama/
 def final_norm(target: nn.Module) -> nn.Module:
     """The target's final norm, the last step before its output head (what MTP modules and
     logits over an engine's captured last-layer output read)."""
-    children = dict(decoder_module(target).named_children())
     decoder = decoder_module(target)
+    children = dict(decoder.named_children())
     for name in _FINAL_NORMS:
         if isinstance(children.get(name), nn.Module):
             return children[name]

@@ -21,9 +21,23 @@ SEED=${SEED:-0}  # seeds every stage: initialisation, data order, the target's a
 read -r -a EXTRA <<< "${DEMO_OVERRIDES:-}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 REAL=recipes/smollm2_135m
+# With the serving engine installed (`make engine`; `make demo` installs it; DEMO_ENGINE=0 leaves
+# it out), vLLM decodes the held-out prompts with each drafter as `draftsmith export` serves it,
+# beside our figures (eval/engine.py).
+engine=()
+if [ "${DEMO_ENGINE:-1}" != 0 ] && { [ -n "${DRAFTSMITH_ENGINE_PYTHON:-}" ] || [ -x .venv/engine/bin/python ]; }; then
+  engine=(--engine vllm)
+fi
+# DEMO_FEATURES_ENGINE=vllm has vLLM write the target's answers and features too (`data
+# cache-hidden --engine vllm`), and CONVERSATIONS=N spends what it saves on more answers. Not
+# the default: on an AVX2 EPYC (2 cores) the engine's two starts cost more than it saves (the
+# stage took 556 s against 480 in-process at 80 rows; README, "Offline features").
+features_engine=()
+if [ -n "${DEMO_FEATURES_ENGINE:-}" ]; then features_engine=(--engine "$DEMO_FEATURES_ENGINE"); fi
 # The rows every real-target stage trains on (the feature cache checks them): the recipes'
 # settings, fewer answers and shorter rows, to fit 30 minutes of 2 cores.
-ROWS=(data.num_conversations=80 train.seq_len=384 train.seed="$SEED")
+CONVERSATIONS=${CONVERSATIONS:-80}
+ROWS=(data.num_conversations="$CONVERSATIONS" train.seq_len=384 train.seed="$SEED")
 CACHED=("${ROWS[@]}" data.feature_cache="$RUNS/features")
 
 stage() {  # stage NAME RECIPE [overrides...]: train unless RUNS/NAME/model exists, trained so
@@ -59,7 +73,7 @@ draftsmith plan smollm2-135m-instruct
 if ! grep -qs '"complete": true' "$RUNS/features/manifest.json"; then
   # The target answers the training prompts (cached by their settings), then runs once over the rows.
   timed features draftsmith data cache-hidden --recipe $REAL/eagle3.yaml --recipe $REAL/dflash.yaml \
-    --recipe $REAL/dspark.yaml "${ROWS[@]}" "${EXTRA[@]}" --out "$RUNS/features"
+    --recipe $REAL/dspark.yaml "${ROWS[@]}" "${EXTRA[@]}" "${features_engine[@]}" --out "$RUNS/features"
 fi
 stage draft_lm $REAL/draft_lm.yaml "${CACHED[@]}" train.max_steps=60
 stage eagle3 $REAL/eagle3.yaml "${CACHED[@]}" train.max_steps=55
@@ -72,10 +86,6 @@ stage dflash_refiner $REAL/dspark.yaml "${CACHED[@]}" method.backbone="$RUNS/dfl
 # D = 7 drafts a verify: on a CPU a verify's cost grows with its length, and the tile rule's
 # D = 41 (G = 3) would price every drafter at 42-token verifies (`plan --measure` shows it).
 sampling=(--seed "$SEED" --temperature 0 --temperature 0.7 --top-p 0.8 --top-k 20)
-# With the serving engine installed (`make engine`; `make demo` installs it), vLLM decodes the same
-# prompts with each drafter as `draftsmith export` serves it, beside our figures (eval/engine.py).
-engine=()
-if [ -n "${DRAFTSMITH_ENGINE_PYTHON:-}" ] || [ -x .venv/engine/bin/python ]; then engine=(--engine vllm); fi
 rm -rf "$RUNS/eval" "$RUNS/report"
 timed eval draftsmith eval --target smollm2-135m-instruct --dataset stdlib-instructions --num-prompts 7 \
   --max-new-tokens 40 --num-draft 7 "${sampling[@]}" "${engine[@]}" --out "$RUNS/eval/smollm2" \

@@ -245,7 +245,8 @@ def test_bench_budget_trains_and_evaluates_as_the_demo_does(monkeypatch):
 
     bench = bench_script(monkeypatch, "bench_budget")
     demo = (ROOT / "scripts" / "demo.sh").read_text()
-    rows = set(re.search(r"^ROWS=\((.*)\)$", demo, re.M).group(1).split())
+    alone = re.search(r"^CONVERSATIONS=\$\{CONVERSATIONS:-(\d+)\}$", demo, re.M).group(1)  # CONVERSATIONS unset
+    rows = set(re.search(r"^ROWS=\((.*)\)$", demo, re.M).group(1).replace('"$CONVERSATIONS"', alone).split())
     assert {r for r in rows if not r.startswith("train.seed=")} == set(bench.DEMO_ROWS)
     sampling = re.search(r"^sampling=\((.*)\)$", demo, re.M).group(1)
     command = []  # the eval line and its continuation lines

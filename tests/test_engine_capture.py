@@ -1,9 +1,10 @@
 """The feature cache from vLLM (`data cache-hidden --engine vllm`, data/engine_capture.py) on the
 real target: the engine's layers and our head over its last one equal the in-process forward
 within float32 tolerance, a drafter trained from either cache follows the same loss curve, and
-an engine that dies mid-capture leaves the finished shards, which a rerun continues from.
+an engine that dies mid-capture leaves the finished shards, which a rerun continues from; where
+the rows' answers are not yet written, vLLM writes them, greedy the same as in-process.
 
-Marked `engine` (`make test-engine`): about 5 minutes on 2 cores, four engine starts.
+Marked `engine` (`make test-engine`): 16 minutes on 2 cores of an AVX2 EPYC, eight engine starts.
 """
 
 import json
@@ -68,6 +69,12 @@ def test_the_engines_layers_and_logits_equal_the_in_process_forward(target, tmp_
     assert not (tmp_path / "engine" / "captures").exists() or not any((tmp_path / "engine" / "captures").iterdir())
 
 
+def stored(cache: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a cache stores, its shards in row order."""
+    shards = [load_file(s) for s in sorted(cache.glob("shard-*.safetensors"))]
+    return {k: torch.cat([s[k] for s in shards]) for k in shards[0]}
+
+
 def _losses(run: Path) -> list[float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return [row["train/loss"] for row in rows if "train/loss" in row]
@@ -98,11 +105,9 @@ def test_a_cache_from_the_engine_trains_as_the_in_process_one_and_survives_its_d
     assert manifest["complete"] and manifest["capture"].startswith("vllm ")
 
     real = load_file(tmp_path / "ours" / "rows.safetensors")["attention_mask"].bool()
-    ours = {k: v for s in sorted((tmp_path / "ours").glob("shard-*")) for k, v in load_file(s).items()}
-    theirs = [load_file(s) for s in sorted(engine_cache.glob("shard-*"))]
+    ours, theirs = stored(tmp_path / "ours"), stored(engine_cache)
     for key in ours:
-        a = ours[key][real].float()
-        b = torch.cat([t[key] for t in theirs])[real].float()
+        a, b = ours[key][real].float(), theirs[key][real].float()
         differs = (a != b).float().mean().item()
         print(f"{key}: {differs:.2%} of stored values differ, by at most {(a - b).abs().max().item():.3g}")
         assert differs < 0.01  # bfloat16 rounding either side of a boundary, nothing more
@@ -118,6 +123,36 @@ def test_a_cache_from_the_engine_trains_as_the_in_process_one_and_survives_its_d
     print("loss curves:", curves)
     assert len(curves[0]) == len(curves[1]) >= 8
     assert max(abs(a - b) / a for a, b in zip(*curves)) < 1e-3  # measured: 1e-6
+
+
+def test_the_engine_answers_the_prompts_as_the_target_does(tmp_path, monkeypatch):
+    """Where the rows' answers are not cached, `--engine vllm` has vLLM write them too: greedy,
+    the same answers and rows as in-process regeneration."""
+    flags = ["--recipe", RECIPE, *ROWS, "data.num_conversations=6"]
+    caches = {}
+    for name, engine in (("engine", ["--engine", "vllm"]), ("ours", [])):
+        monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / f"cache_{name}"))  # no answers yet
+        assert main(["-q", "data", "cache-hidden", *flags, "--out", str(tmp_path / name), *engine]) == 0
+        caches[name] = tmp_path / name
+    assert (caches["engine"] / ".engine" / "answers.log").is_file()  # vLLM answered
+    assert not (caches["ours"] / ".engine").exists()
+    answers = [sorted((tmp_path / f"cache_{n}" / "regenerated").glob("*.jsonl")) for n in caches]
+    assert [len(a) for a in answers] == [1, 1] and answers[0][0].name == answers[1][0].name
+    assert answers[0][0].read_text() == answers[1][0].read_text()
+    rows = [load_file(c / "rows.safetensors") for c in caches.values()]
+    assert all(torch.equal(rows[0][k], rows[1][k]) for k in rows[0])
+
+
+def test_sampled_answers_from_the_engine_whose_prompts_overflow_a_step(tmp_path, monkeypatch):
+    """Seeded, sampled requests whose prompts exceed the CPU engine's 2048-token step: a split
+    prefill crashes vLLM 0.32's CPU runner unless the answers server keeps each prefill whole
+    (data/engine_answers.py)."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    rows = ["data.num_conversations=4", "data.prompt_chars=12000", "data.regen_max_new_tokens=4", "train.seq_len=4096"]
+    assert main(["-q", "data", "cache-hidden", "--recipe", RECIPE, *rows, "--out", str(tmp_path / "features"),
+                 "--engine", "vllm"]) == 0
+    answers = list((tmp_path / "cache" / "regenerated").glob("*.jsonl"))
+    assert len(answers) == 1 and len(answers[0].read_text().splitlines()) == 4
 
 
 def test_bench_capture_prints_both_paths_and_their_ratio():

@@ -9,6 +9,7 @@ With `data.feature_cache=DIR` those features come from a cache that `cache_hidde
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -196,6 +197,27 @@ def _check_same_rows(recipes: list[Recipe], target_dirs: list, decided: bool = F
                                   f"{other.get(differs[0])!r}); one cache holds one set of rows")
 
 
+def _build_methods(recipes: list[Recipe], target_dirs: list, device: torch.device,
+                   engine_dir: Path | None) -> list[PostHocMethod]:
+    """Each recipe's method, online, over one target loaded once. `engine_dir`: the target's
+    answers, where they are still to be written, come from a vLLM server of it."""
+    first = recipes[0]
+    target = load_target(target_dirs[0], dtype=first.target.dtype, device=device,
+                         attn_implementation=first.target.attn_implementation)
+    answering = contextlib.nullcontext(recipes)
+    if engine_dir is not None:
+        from draftsmith.data.engine_answers import engine_answers
+
+        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")  # the engine serves it as loaded
+        answering = engine_answers(recipes, target_dirs[0], dtype, target.config.max_position_embeddings, engine_dir)
+    methods = []
+    with answering as answered:
+        for recipe, target_dir in zip(answered, target_dirs):
+            online = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
+            methods.append(recipe.method.spec.load("training")(online, device, target=target, target_dir=target_dir))
+    return methods
+
+
 def _all_rows(method: PostHocMethod) -> dict[str, torch.Tensor]:
     """A method's training rows, then its held-out ones: {ROW_KEYS: [N, T]} (each split read once)."""
     train_rows, validation_rows = method.train_data[:], method.validation_data[:]
@@ -212,8 +234,8 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
     from draftsmith.data.vllm_server import check_engine_name
     from draftsmith.processes import current_processes
 
-    if engine:
-        check_engine_name(engine, "cache-hidden")
+    if engine:  # before the target is loaded or anything is written
+        check_engine_name(engine, "data cache-hidden")
     _check_cacheable(recipes)
     target_dirs = [target_folder(recipe.target.path) for recipe in recipes]  # each resolved once
     _check_same_rows(recipes, target_dirs)
@@ -226,12 +248,8 @@ def cache_hidden(recipes: list[Recipe], out: str | Path, batch_size: int = 8, sh
         raise DraftsmithError("cache-hidden --engine: one process drives the engine (it batches the requests "
                               "itself); run it without accelerate launch")
     device = torch.device(processes.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    methods, target = [], None
-    for recipe, target_dir in zip(recipes, target_dirs):
-        online = dataclasses.replace(recipe, data=dataclasses.replace(recipe.data, feature_cache=""))
-        methods.append(recipe.method.spec.load("training")(online, device, target=target, target_dir=target_dir))
-        target = methods[-1].target
-    first = methods[0]
+    methods = _build_methods(recipes, target_dirs, device, Path(out) / ".engine" if engine else None)
+    first, target = methods[0], methods[0].target
     _check_same_rows([m.recipe for m in methods], [m.target_dir for m in methods], decided=True)
     tokens = _all_rows(first)
     for method in methods[1:]:  # the same settings render the same rows; said, not assumed
