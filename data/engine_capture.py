@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,7 +39,6 @@ from draftsmith.models.target import TargetOutput, decoder_layers, final_norm
 IN_PROCESS = "in-process"  # the manifest's `capture` when the target ran in this process
 CONNECTOR = "HostHiddenStatesConnector"
 CONNECTOR_MODULE = "draftsmith_capture_connector"
-log = logging.getLogger(__name__)
 
 
 def capture_config(engine_ids: list[int], storage: Path) -> tuple[dict, dict]:
@@ -82,7 +79,7 @@ class EngineCapture:
 
     def __init__(self, target: nn.Module, target_dir: Path, layer_ids: list[int], max_len: int, work_dir: Path,
                  in_flight: int = 16):
-        from draftsmith.data.vllm_server import Served, VllmServer, engine_build, engine_python, server_flags
+        from draftsmith.data.vllm_server import Served, start_vllm
 
         weight = next(target.parameters())
         self.dtype, self.device, self.width = weight.dtype, weight.device, target.config.hidden_size
@@ -97,23 +94,17 @@ class EngineCapture:
         plugin = work_dir / "plugin"
         plugin.mkdir(exist_ok=True)
         shutil.copyfile(Path(__file__).with_name("vllm_capture_connector.py"), plugin / f"{CONNECTOR_MODULE}.py")
-        python = engine_python()
-        self.build = engine_build(python)
         speculative, transfer = capture_config(self.engine_ids, self.storage)
         served = Served(layout="extract_hidden_states", model=str(target_dir),
-                        dtype=str(self.dtype).removeprefix("torch."),
-                        speculative_config=speculative)
-        flags = [*server_flags(self.build), "--kv-transfer-config", json.dumps(transfer)]
-        started = time.monotonic()
-        self.server = VllmServer(python, served, work_dir / "vllm.log", max_len + 1, flags=flags,
-                                 env={"PYTHONPATH": os.pathsep.join(filter(None, [str(plugin),
-                                                                                 os.environ.get("PYTHONPATH")]))})
-        log.info("engine ready in %.1f s: %s capturing vLLM layers %s (log: %s)", time.monotonic() - started,
-                 self.label, self.engine_ids, self.server.log)
+                        dtype=str(self.dtype).removeprefix("torch."), speculative_config=speculative)
+        python_path = os.pathsep.join(filter(None, [str(plugin), os.environ.get("PYTHONPATH")]))
+        self.server, self.build = start_vllm(served, work_dir / "vllm.log", max_len + 1,
+                                             flags=["--kv-transfer-config", json.dumps(transfer)],
+                                             env={"PYTHONPATH": python_path},
+                                             doing=f"capturing vLLM layers {self.engine_ids}")
         # No retries: a request sent again after the engine died would only wait for it again.
         self.endpoint = Endpoint(self.server.url, Limits(in_flight=in_flight, retries=0))
         self.pool = ThreadPoolExecutor(max_workers=in_flight)  # a batch's rows in flight at once
-        self.model = str(target_dir)
 
     @property
     def label(self) -> str:
@@ -121,16 +112,11 @@ class EngineCapture:
         return f"vllm {self.build['version']} ({self.build['device']})"
 
     def _row(self, tokens: torch.Tensor) -> torch.Tensor:
-        body = {"model": self.model, "prompt": tokens.tolist(), "max_tokens": 1, "temperature": 0.0}
+        body = {"model": self.server.model, "prompt": tokens.tolist(), "max_tokens": 1, "temperature": 0.0}
         try:
             reply = self.endpoint.call("/completions", body)
-        except DraftsmithError as exc:
-            from draftsmith.data.local_server import why_it_failed
-
-            if self.server.process.poll() is not None:  # the engine died: its log says why
-                raise DraftsmithError(f"vLLM exited mid-capture: {why_it_failed(self.server.log, str(exc))} "
-                                      f"(log: {self.server.log}); rerun to resume from the shards written") from None
-            raise
+        except DraftsmithError as exc:  # where the engine died, its log says why
+            raise self.server.exited(exc, "mid-capture", "rerun to resume from the shards written") or exc from None
         path = (reply.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise DraftsmithError(f"vLLM at {self.server.url} answered without a hidden_states_path: "

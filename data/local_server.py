@@ -102,6 +102,14 @@ class LoopbackServer:
                 time.sleep(0.5)
         raise DraftsmithError(f"{self.name} did not answer /health within {wait_s:.0f} s (log: {self.log})")
 
+    def exited(self, exc: Exception, doing: str, remedy: str) -> DraftsmithError | None:
+        """The one line for a request that failed (`exc`) because the server had exited while
+        `doing`: the reason its log gives, not the client's refused connection; None while it runs."""
+        if self.process.poll() is None:
+            return None
+        return DraftsmithError(f"{self.name} exited {doing}: {why_it_failed(self.log, str(exc))} (log: {self.log}); "
+                               f"{remedy}")
+
     def stop(self) -> None:
         """Ends the server and every process it started (vLLM's engine core runs apart)."""
         if self.process.poll() is None:

@@ -6,10 +6,13 @@ one model and speculative config. `eval --engine vllm` decodes with it (eval/eng
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import shlex
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,8 @@ ENGINE_PYTHON = "DRAFTSMITH_ENGINE_PYTHON"  # the Python whose vllm serves (defa
 ENGINE_ARGS = "DRAFTSMITH_ENGINE_ARGS"  # more `vllm serve` flags for every server (-tp 8, -O3)
 # The KV cache a CPU engine reserves, in GiB: a 135M target at 2048 tokens needs a few MB.
 CPU_KV_GIB = "2"
+CPU_STEP_TOKENS = 2048  # the tokens a CPU server's step holds by default (vLLM 0.32's API server)
+log = logging.getLogger(__name__)
 
 
 def server_flags(build: dict) -> list[str]:
@@ -32,6 +37,18 @@ def server_flags(build: dict) -> list[str]:
     if ENGINE_ARGS in os.environ:
         return shlex.split(os.environ[ENGINE_ARGS])
     return ["--enforce-eager"] if build["device"] == "cpu" else []
+
+
+def whole_prefills(build: dict, max_len: int) -> list[str]:
+    """Flags that keep a CPU engine from splitting a prompt's prefill across steps. vLLM 0.32's
+    CPU runner crashes on a seeded (sampled) request whose prefill was split: it rewinds the
+    request's generator, which a CPU generator cannot ("CPU Generator does not use offset", in
+    `_bookkeeping_sync`). Measured: 16 seeded sampled answers of the demo's rows in flight killed
+    the engine within seconds. A prompt that does not fit a step waits for the next one instead;
+    a step holds the default's tokens, or a whole prompt of `max_len` where that is more."""
+    if build["device"] != "cpu":
+        return []
+    return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_len, CPU_STEP_TOKENS))]
 
 
 def engine_python() -> str:
@@ -52,6 +69,7 @@ def check_engine_name(engine: str, command: str) -> None:
         raise DraftsmithError(f"{command}: --engine must be one of {', '.join(ENGINES)}, got {engine!r}")
 
 
+@functools.cache  # a subprocess importing vLLM (about 9 s on 2 cores): once per Python
 def engine_build(python: str) -> dict:
     """{"version", "device", "python", "per_step"} of the vLLM that `python` imports (per_step:
     its replies can carry each request's accepted drafts, pass by pass); one line where it does not."""
@@ -101,3 +119,17 @@ class VllmServer(LoopbackServer):
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **(env or {})}
         self.model = served.model
         super().__init__(command, log_path, env, wait_s)
+
+
+def start_vllm(served: Served, log_path: Path, max_len: int, flags: list[str] = (),
+               env: dict[str, str] | None = None, doing: str = "") -> tuple[VllmServer, dict]:
+    """(a started VllmServer of `served`, the engine's build) for draftsmith's own requests:
+    every server's flags, whole prefills on a CPU build, then `flags`; its start logged as
+    `doing` it."""
+    python = engine_python()
+    build = engine_build(python)
+    started = time.monotonic()
+    server = VllmServer(python, served, log_path, max_len, env=env,
+                        flags=[*server_flags(build), *whole_prefills(build, max_len), *flags])
+    log.info("engine ready in %.1f s %s (log: %s)", time.monotonic() - started, doing, server.log)
+    return server, build

@@ -1,6 +1,7 @@
 """What the engine path of the feature cache (data/engine_capture.py) refuses, in one line each,
 without an engine: a capture file missing or cut short, one of other tokens or length, one of
-other layers; an unknown engine, or none installed, before anything is written."""
+other layers; an unknown engine, or none installed, before anything is written; an engine that
+exited under a request, by the reason its log gives."""
 
 import fcntl
 import os
@@ -84,3 +85,32 @@ def test_an_unknown_engine_is_refused_before_anything_is_written(tmp_path, capsy
     assert main(["data", "cache-hidden", "--out", str(tmp_path / "c"), "--engine", "sglang"]) == 2
     assert "data cache-hidden: --engine must be one of vllm, got 'sglang'" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_a_server_that_exited_under_a_request_is_one_line_with_its_logs_reason(tmp_path):
+    """The client sees a refused connection; the line says why the engine ended, from its log."""
+    import subprocess
+    import sys
+
+    from draftsmith.data.vllm_server import VllmServer
+
+    server = VllmServer.__new__(VllmServer)  # its state after a start, without starting vLLM
+    server.log = tmp_path / "vllm.log"
+    server.log.write_text("(Worker pid=1) ERROR 12-08 [x.py:1] RuntimeError: CPU Generator does not use offset\n")
+    server.process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert server.exited(ConnectionRefusedError("refused"), "mid-capture", "rerun") is None  # still running
+    finally:
+        server.process.kill()
+        server.process.wait()
+    line = str(server.exited(ConnectionRefusedError("refused"), "mid-capture", "rerun to resume"))
+    assert line == (f"vLLM exited mid-capture: RuntimeError: CPU Generator does not use offset (log: {server.log}); "
+                    "rerun to resume")
+
+
+def test_a_cpu_engine_keeps_prefills_whole_in_a_step_of_at_least_its_default():
+    from draftsmith.data.vllm_server import whole_prefills
+
+    assert whole_prefills({"device": "cpu"}, 8192) == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    assert whole_prefills({"device": "cpu"}, 385) == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
+    assert whole_prefills({"device": "cuda"}, 8192) == []  # a GPU generator rewinds
